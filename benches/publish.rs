@@ -1,0 +1,2 @@
+//! Placeholder: the publish benchmarks.
+fn main() {}

@@ -1,0 +1,879 @@
+//! The bus: its builder, and the running bus that ties the listener, the claimer, the
+//! dispatcher, the acker and the maintenance tasks together.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{FutureExt, StreamExt};
+use tokio::sync::{Notify, Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::Instrument;
+
+use crate::claim::{self, ClaimStream};
+use crate::dispatch::{
+    DynHandler, FnHandler, Handler, SubRuntime, SubscriptionOptions, Target, panic_message,
+};
+use crate::error::{Error, HandlerError, Result};
+use crate::event::Event;
+use crate::retry::RetryPolicy;
+use crate::subscribe::{Action, SettleMsg, Subscription};
+
+/// Default fallback poll interval: 1 s. Bounds the latency when a notification is lost.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// Default claim batch: 100 deliveries per claim statement.
+pub const DEFAULT_BATCH_SIZE: usize = 100;
+/// Default concurrency: 16 deliveries handled at once per bus.
+pub const DEFAULT_CONCURRENCY: usize = 16;
+/// Default lease: 60 s, extended every third of it while the handler runs.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+/// Default handler timeout: none (the lease is extended while a handler runs).
+pub const DEFAULT_HANDLER_TIMEOUT: Option<Duration> = None;
+/// Default time `shutdown` waits for in-flight handlers: 30 s.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default size of the bus's own connection pool: 4.
+pub const DEFAULT_POOL_SIZE: usize = 4;
+/// Default `statement_timeout` of the bus's own statements: 30 s.
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a bus's row in `pgbus.consumers` stays live without a heartbeat.
+pub(crate) const CONSUMER_TTL: Duration = Duration::from_secs(30);
+/// How often the bus renews it.
+const CONSUMER_HEARTBEAT: Duration = Duration::from_secs(10);
+
+/// The bus's settings (see the setters of [`BusBuilder`] for each default).
+#[derive(Debug, Clone)]
+pub(crate) struct Options {
+    pub(crate) poll_interval: Duration,
+    pub(crate) batch_size: usize,
+    pub(crate) concurrency: usize,
+    pub(crate) lease: Duration,
+    pub(crate) handler_timeout: Option<Duration>,
+    pub(crate) shutdown_timeout: Duration,
+    pub(crate) poll_only: bool,
+    pub(crate) pool_size: usize,
+    pub(crate) statement_timeout: Duration,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) synchronous_commit: bool,
+}
+
+/// Counters of a running bus, read with [`RunningBus::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Deliveries completed (acknowledged and written).
+    pub delivered: u64,
+    /// Failed attempts written (each retried or dead-lettered).
+    pub failed: u64,
+    /// Deliveries that became dead letters here.
+    pub dead_lettered: u64,
+    /// Claimed deliveries released unstarted (at shutdown, or dropped while buffered).
+    pub released: u64,
+    /// Settlements rejected because the lease had been taken over (stale worker).
+    pub stale_rejected: u64,
+    /// Claim statements run.
+    pub claims: u64,
+    /// Wake-ups caused by a notification.
+    pub wakeups_by_notification: u64,
+    /// Wake-ups by the fallback poll timer.
+    pub wakeups_by_poll: u64,
+    /// Poll wake-ups whose claim found work that no notification had announced.
+    pub polls_found_work: u64,
+    /// Times the listener reconnected.
+    pub reconnects: u64,
+    /// Expired leases this bus returned to pending or dead-lettered.
+    pub reaped: u64,
+    /// Claim statements that failed.
+    pub claim_errors: u64,
+    /// Settlement batches that could not be written.
+    pub settle_errors: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) delivered: AtomicU64,
+    pub(crate) failed: AtomicU64,
+    pub(crate) dead_lettered: AtomicU64,
+    pub(crate) released: AtomicU64,
+    pub(crate) stale_rejected: AtomicU64,
+    pub(crate) claims: AtomicU64,
+    pub(crate) wakeups_by_notification: AtomicU64,
+    pub(crate) wakeups_by_poll: AtomicU64,
+    pub(crate) polls_found_work: AtomicU64,
+    pub(crate) reconnects: AtomicU64,
+    pub(crate) reaped: AtomicU64,
+    pub(crate) claim_errors: AtomicU64,
+    pub(crate) settle_errors: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> Stats {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Stats {
+            delivered: r(&self.delivered),
+            failed: r(&self.failed),
+            dead_lettered: r(&self.dead_lettered),
+            released: r(&self.released),
+            stale_rejected: r(&self.stale_rejected),
+            claims: r(&self.claims),
+            wakeups_by_notification: r(&self.wakeups_by_notification),
+            wakeups_by_poll: r(&self.wakeups_by_poll),
+            polls_found_work: r(&self.polls_found_work),
+            reconnects: r(&self.reconnects),
+            reaped: r(&self.reaped),
+            claim_errors: r(&self.claim_errors),
+            settle_errors: r(&self.settle_errors),
+        }
+    }
+}
+
+/// A stream subscription's receiving end, kept so that shutdown can release what it
+/// buffered.
+type StreamRx = (
+    Arc<str>,
+    Arc<Mutex<mpsc::UnboundedReceiver<crate::subscribe::Delivery>>>,
+);
+
+/// A handler as registered on the builder: name, patterns, handler, options.
+type HandlerSpec = (
+    String,
+    Vec<String>,
+    Arc<dyn DynHandler>,
+    SubscriptionOptions,
+);
+
+/// State shared by the tasks of one running bus.
+pub(crate) struct Shared {
+    pub(crate) pool: deadpool_postgres::Pool,
+    pub(crate) worker_id: String,
+    pub(crate) opts: Options,
+    pub(crate) subs: HashMap<Arc<str>, Arc<SubRuntime>>,
+    /// Wakes the claimer (coalescing: many wake-ups while it claims make one more claim).
+    pub(crate) wake: Notify,
+    /// Set when the pending wake-up came from a notification.
+    pub(crate) notified: AtomicBool,
+    /// Signalled whenever a delivery is settled (a slot may have freed).
+    pub(crate) capacity_changed: Notify,
+    /// Slots for claimed, unsettled deliveries: concurrency plus one batch.
+    pub(crate) capacity: Arc<Semaphore>,
+    /// Deliveries claimed and not yet settled in the database, with their attempt.
+    pub(crate) held: Mutex<HashMap<(Arc<str>, i64), i32>>,
+    pub(crate) settle_tx: mpsc::UnboundedSender<SettleMsg>,
+    pub(crate) stats: Counters,
+    pub(crate) listening: AtomicBool,
+    pub(crate) stopping: CancellationToken,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("worker_id", &self.worker_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    pub(crate) fn wake_by_notification(&self) {
+        self.notified.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    pub(crate) fn wake_for_catch_up(&self) {
+        self.wake.notify_one();
+    }
+}
+
+/// A bus that is configured but not yet running: register in-process subscriptions with
+/// [`Bus::subscribe`], then [`Bus::start`] it.
+pub struct Bus {
+    config: tokio_postgres::Config,
+    listen_config: Option<tokio_postgres::Config>,
+    opts: Options,
+    subs: Vec<Arc<SubRuntime>>,
+    stopping: CancellationToken,
+    streams: Vec<StreamRx>,
+}
+
+impl std::fmt::Debug for Bus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bus")
+            .field("opts", &self.opts)
+            .field("subscriptions", &self.subs)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`Bus`]. Every setter documents its default; `build` checks the
+/// configuration and does no I/O.
+pub struct BusBuilder {
+    config: tokio_postgres::Config,
+    listen_config: Option<tokio_postgres::Config>,
+    opts: Options,
+    handlers: Vec<HandlerSpec>,
+}
+
+impl std::fmt::Debug for BusBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BusBuilder")
+            .field("opts", &self.opts)
+            .field(
+                "handlers",
+                &self.handlers.iter().map(|h| &h.0).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl Bus {
+    /// Starts configuring a bus that connects with `config` (e.g.
+    /// `"postgres://app@db/app".parse()?`).
+    ///
+    /// The bus opens its own small pool for claims, acknowledgements and lease
+    /// extensions, so handlers that use the application's pool can never starve it, and
+    /// one dedicated connection for LISTEN.
+    pub fn builder(config: tokio_postgres::Config) -> BusBuilder {
+        BusBuilder {
+            config,
+            listen_config: None,
+            opts: Options {
+                poll_interval: DEFAULT_POLL_INTERVAL,
+                batch_size: DEFAULT_BATCH_SIZE,
+                concurrency: DEFAULT_CONCURRENCY,
+                lease: DEFAULT_LEASE,
+                handler_timeout: DEFAULT_HANDLER_TIMEOUT,
+                shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+                poll_only: false,
+                pool_size: DEFAULT_POOL_SIZE,
+                statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+                retry: RetryPolicy::default(),
+                synchronous_commit: true,
+            },
+            handlers: Vec::new(),
+        }
+    }
+
+    /// Adds an in-process subscription and returns the stream of its deliveries, which
+    /// yields once the bus is started. See [`Subscription`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a bad name or pattern, or a name already used by another
+    /// subscription of this bus.
+    pub fn subscribe<I, S>(&mut self, name: &str, patterns: I) -> Result<Subscription>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.subscribe_with(name, patterns, SubscriptionOptions::default())
+    }
+
+    /// [`Bus::subscribe`] with per-subscription options.
+    ///
+    /// # Errors
+    ///
+    /// As [`Bus::subscribe`].
+    pub fn subscribe_with<I, S>(
+        &mut self,
+        name: &str,
+        patterns: I,
+        options: SubscriptionOptions,
+    ) -> Result<Subscription>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let patterns: Vec<String> = patterns.into_iter().map(Into::into).collect();
+        crate::admin::validate_subscription(name, &patterns)?;
+        if self.subs.iter().any(|s| &*s.name == name) {
+            return Err(Error::invalid(
+                "subscription name",
+                format!("{name:?} is already used by this bus"),
+            ));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let limit = options.concurrency.unwrap_or(self.opts.concurrency);
+        let sub = Arc::new(SubRuntime {
+            name: Arc::from(name),
+            patterns,
+            retry: options.retry.unwrap_or(self.opts.retry),
+            timeout: None,
+            held: Default::default(),
+            limit: Some(limit),
+            run_limit: None,
+            target: Target::Stream(tx),
+        });
+        let rx = Arc::new(Mutex::new(rx));
+        self.streams.push((sub.name.clone(), rx.clone()));
+        self.subs.push(sub);
+        Ok(Subscription {
+            name: Arc::from(name),
+            rx,
+            stopped: Box::pin(self.stopping.clone().cancelled_owned()),
+        })
+    }
+
+    /// Connects, registers this bus's subscriptions and itself, and starts its tasks:
+    /// the listener, the claimer and dispatcher, the acker, and the maintenance task
+    /// (reaper, lease extension, heartbeat).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SchemaMissing`] when the database was never migrated (run
+    /// `pgbus migrate`), [`Error::Pool`] or [`Error::Database`] when PostgreSQL cannot be
+    /// reached.
+    pub async fn start(self) -> Result<RunningBus> {
+        let Bus {
+            config,
+            listen_config,
+            opts,
+            subs,
+            stopping,
+            streams,
+        } = self;
+        let mut worker_config = config.clone();
+        worker_config.application_name("pgbus worker");
+        let mut options = worker_config.get_options().unwrap_or("").to_string();
+        options.push_str(&format!(
+            " -c statement_timeout={}",
+            opts.statement_timeout.as_millis()
+        ));
+        if !opts.synchronous_commit {
+            options.push_str(" -c synchronous_commit=off");
+        }
+        worker_config.options(options.trim());
+        let manager = deadpool_postgres::Manager::from_config(
+            worker_config,
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+            },
+        );
+        let pool = deadpool_postgres::Pool::builder(manager)
+            .max_size(opts.pool_size)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .wait_timeout(Some(Duration::from_secs(10)))
+            .create_timeout(Some(Duration::from_secs(10)))
+            .recycle_timeout(Some(Duration::from_secs(5)))
+            .build()
+            .map_err(|e| Error::invalid("pool", e.to_string()))?;
+
+        // Register the subscriptions (idempotent upserts).
+        {
+            let client = pool.get().await?;
+            for sub in &subs {
+                crate::admin::register_subscription(
+                    &client,
+                    &sub.name,
+                    &sub.patterns,
+                    sub.retry.attempts(),
+                )
+                .await?;
+            }
+        }
+
+        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            pool,
+            worker_id: uuid::Uuid::now_v7().to_string(),
+            capacity: Arc::new(Semaphore::new(opts.concurrency + opts.batch_size)),
+            opts: opts.clone(),
+            subs: subs.iter().map(|s| (s.name.clone(), s.clone())).collect(),
+            wake: Notify::new(),
+            notified: AtomicBool::new(false),
+            capacity_changed: Notify::new(),
+            held: Mutex::new(HashMap::new()),
+            settle_tx,
+            stats: Counters::default(),
+            listening: AtomicBool::new(false),
+            stopping: stopping.clone(),
+        });
+        claim::consumer_heartbeat(&shared).await?;
+
+        let background = CancellationToken::new();
+        let acker_stop = CancellationToken::new();
+        let acker = AbortOnDropHandle::new(tokio::spawn(claim::run_acker(
+            shared.clone(),
+            settle_rx,
+            acker_stop.clone(),
+        )));
+        let maintenance = AbortOnDropHandle::new(tokio::spawn(run_maintenance(
+            shared.clone(),
+            background.clone(),
+        )));
+        let listener = if opts.poll_only {
+            None
+        } else {
+            let mut cfg = listen_config.unwrap_or(config);
+            cfg.application_name("pgbus listener");
+            cfg.keepalives(true);
+            cfg.keepalives_idle(Duration::from_secs(30));
+            Some(AbortOnDropHandle::new(tokio::spawn(crate::listen::run(
+                shared.clone(),
+                cfg,
+                background.clone(),
+            ))))
+        };
+        let dispatcher = AbortOnDropHandle::new(tokio::spawn(run_dispatcher(
+            shared.clone(),
+            ClaimStream::new(shared.clone()),
+        )));
+        tracing::info!(
+            worker = %shared.worker_id,
+            subscriptions = shared.subs.len(),
+            poll_only = opts.poll_only,
+            "pgbus started"
+        );
+        Ok(RunningBus {
+            shared,
+            streams,
+            background,
+            acker_stop,
+            dispatcher: Some(dispatcher),
+            acker: Some(acker),
+            maintenance: Some(maintenance),
+            listener,
+        })
+    }
+}
+
+impl BusBuilder {
+    /// Adds a handler: a subscription named by [`Handler::name`] matching
+    /// [`Handler::patterns`].
+    pub fn handler<H: Handler>(self, handler: H) -> Self {
+        self.handler_with(handler, SubscriptionOptions::default())
+    }
+
+    /// Adds a handler with its own options (retry policy, concurrency, timeout).
+    pub fn handler_with<H: Handler>(mut self, handler: H, options: SubscriptionOptions) -> Self {
+        let name = handler.name().to_string();
+        let patterns = handler.patterns();
+        self.handlers
+            .push((name, patterns, Arc::new(handler), options));
+        self
+    }
+
+    /// Adds a handler made of a closure that receives each event.
+    ///
+    /// ```no_run
+    /// # fn f(config: tokio_postgres::Config) -> Result<(), pgbus::Error> {
+    /// let bus = pgbus::Bus::builder(config)
+    ///     .handler_fn("audit", ["order.*"], |event| async move {
+    ///         println!("{} {}", event.name, event.payload);
+    ///         Ok(())
+    ///     })
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn handler_fn<I, S, F, Fut>(self, name: &str, patterns: I, f: F) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+        F: Fn(Event) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
+    {
+        self.handler_fn_with(name, patterns, SubscriptionOptions::default(), f)
+    }
+
+    /// [`BusBuilder::handler_fn`] with per-subscription options.
+    pub fn handler_fn_with<I, S, F, Fut>(
+        mut self,
+        name: &str,
+        patterns: I,
+        options: SubscriptionOptions,
+        f: F,
+    ) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+        F: Fn(Event) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
+    {
+        self.handlers.push((
+            name.to_string(),
+            patterns.into_iter().map(Into::into).collect(),
+            Arc::new(FnHandler { f }),
+            options,
+        ));
+        self
+    }
+
+    /// LISTENs with a connection of its own configuration (default: the bus's), e.g. a
+    /// direct connection while the pool goes through a transaction-mode pooler, which
+    /// cannot carry LISTEN.
+    pub fn listen_config(mut self, config: tokio_postgres::Config) -> Self {
+        self.listen_config = Some(config);
+        self
+    }
+
+    /// Sets the fallback poll interval (default [`DEFAULT_POLL_INTERVAL`], 1 s): the
+    /// longest an event waits when its notification was lost. Expired leases are reaped
+    /// at this interval too.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.opts.poll_interval = interval;
+        self
+    }
+
+    /// Sets the most deliveries one claim statement takes (default
+    /// [`DEFAULT_BATCH_SIZE`], 100). It is also the prefetch: at most concurrency plus
+    /// one batch are claimed and unsettled at once.
+    pub fn batch_size(mut self, batch: usize) -> Self {
+        self.opts.batch_size = batch;
+        self
+    }
+
+    /// Sets how many deliveries run at once in this bus (default
+    /// [`DEFAULT_CONCURRENCY`], 16).
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.opts.concurrency = concurrency;
+        self
+    }
+
+    /// Sets the lease (default [`DEFAULT_LEASE`], 60 s): how long a claimed delivery
+    /// stays with this bus without a heartbeat. Leases of running deliveries are
+    /// extended every third of it; a crashed bus's deliveries return after it.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.opts.lease = lease;
+        self
+    }
+
+    /// Sets how long one handler attempt may run before it counts as failed (default:
+    /// no limit).
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.opts.handler_timeout = Some(timeout);
+        self
+    }
+
+    /// Sets how long `shutdown` waits for in-flight handlers (default
+    /// [`DEFAULT_SHUTDOWN_TIMEOUT`], 30 s).
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.opts.shutdown_timeout = timeout;
+        self
+    }
+
+    /// Runs without a listener, waking only by the poll timer (default: off). For
+    /// setups where no connection can LISTEN.
+    pub fn poll_only(mut self, poll_only: bool) -> Self {
+        self.opts.poll_only = poll_only;
+        self
+    }
+
+    /// Sets the size of the bus's own pool (default [`DEFAULT_POOL_SIZE`], 4).
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.opts.pool_size = size;
+        self
+    }
+
+    /// Sets the `statement_timeout` of the bus's own statements (default
+    /// [`DEFAULT_STATEMENT_TIMEOUT`], 30 s).
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.opts.statement_timeout = timeout;
+        self
+    }
+
+    /// Sets the default retry policy and maximum attempts of this bus's subscriptions
+    /// (default: [`RetryPolicy::default`], exponential from 1 s, 25 attempts).
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.opts.retry = retry;
+        self
+    }
+
+    /// Whether the bus's own transactions (claims, settlements, lease extensions) wait
+    /// for their WAL flush (default: true). Turning it off is safe for at-least-once
+    /// delivery: a settlement lost in a server crash is redelivered.
+    pub fn synchronous_commit(mut self, on: bool) -> Self {
+        self.opts.synchronous_commit = on;
+        self
+    }
+
+    /// Checks the configuration. Does no I/O.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a zero batch, concurrency, pool size or poll interval, a
+    /// lease under one second, or a handler with a bad or duplicate name or pattern.
+    pub fn build(self) -> Result<Bus> {
+        let o = &self.opts;
+        if o.batch_size == 0 || o.batch_size > 10_000 {
+            return Err(Error::invalid("batch size", "must be 1 to 10000"));
+        }
+        if o.concurrency == 0 {
+            return Err(Error::invalid("concurrency", "must be at least 1"));
+        }
+        if o.pool_size < 2 {
+            return Err(Error::invalid("pool size", "must be at least 2"));
+        }
+        if o.poll_interval.is_zero() {
+            return Err(Error::invalid("poll interval", "must be positive"));
+        }
+        if o.lease < Duration::from_secs(1) {
+            return Err(Error::invalid("lease", "must be at least 1 second"));
+        }
+        let mut subs: Vec<Arc<SubRuntime>> = Vec::new();
+        for (name, patterns, handler, options) in self.handlers {
+            crate::admin::validate_subscription(&name, &patterns)?;
+            if subs.iter().any(|s| *s.name == *name) {
+                return Err(Error::invalid(
+                    "subscription name",
+                    format!("{name:?} is used by two handlers"),
+                ));
+            }
+            subs.push(Arc::new(SubRuntime {
+                name: Arc::from(name.as_str()),
+                patterns,
+                retry: options.retry.unwrap_or(o.retry),
+                timeout: options.timeout.or(o.handler_timeout),
+                held: Default::default(),
+                limit: options.concurrency,
+                run_limit: options.concurrency.map(|c| Arc::new(Semaphore::new(c))),
+                target: Target::Handler(handler),
+            }));
+        }
+        Ok(Bus {
+            config: self.config,
+            listen_config: self.listen_config,
+            opts: self.opts,
+            subs,
+            stopping: CancellationToken::new(),
+            streams: Vec::new(),
+        })
+    }
+}
+
+/// A running bus. [`shutdown`](RunningBus::shutdown) stops it gracefully; dropping it
+/// aborts its tasks (deliveries in flight then come back when their leases expire).
+pub struct RunningBus {
+    shared: Arc<Shared>,
+    streams: Vec<StreamRx>,
+    background: CancellationToken,
+    acker_stop: CancellationToken,
+    dispatcher: Option<AbortOnDropHandle<()>>,
+    acker: Option<AbortOnDropHandle<()>>,
+    maintenance: Option<AbortOnDropHandle<()>>,
+    listener: Option<AbortOnDropHandle<()>>,
+}
+
+impl std::fmt::Debug for RunningBus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningBus")
+            .field("worker_id", &self.shared.worker_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RunningBus {
+    /// The counters so far.
+    pub fn stats(&self) -> Stats {
+        self.shared.stats.snapshot()
+    }
+
+    /// This bus's worker id: `locked_by` of the deliveries it holds, and its row in
+    /// `pgbus.consumers`.
+    pub fn worker_id(&self) -> &str {
+        &self.shared.worker_id
+    }
+
+    /// Whether the listener is connected and LISTENing now.
+    pub fn is_listening(&self) -> bool {
+        self.shared.listening.load(Ordering::Acquire)
+    }
+
+    /// Makes the claimer look for work now.
+    pub fn wake(&self) {
+        self.shared.wake.notify_one();
+    }
+
+    /// Stops gracefully: stops claiming; releases claimed deliveries that have not
+    /// started (back to pending, attempt not consumed); waits for running handlers up to
+    /// the shutdown timeout (those still running then are aborted and count as failed
+    /// attempts); writes every pending settlement; removes the bus from
+    /// `pgbus.consumers`; and ends every task.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`] if a task did not end; the bus is stopped regardless.
+    pub async fn shutdown(mut self) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + self.shared.opts.shutdown_timeout;
+        self.shared.stopping.cancel();
+        // Release what the streams have buffered but not handed out.
+        for (_, rx) in &self.streams {
+            let mut rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+            while rx.try_recv().is_ok() {}
+        }
+        if let Some(d) = self.dispatcher.take() {
+            let _ = d.await;
+        }
+        // Deliveries still in the application's hands (subscription streams).
+        while self.held_count() > 0 && tokio::time::Instant::now() < deadline {
+            let _ =
+                tokio::time::timeout_at(deadline, self.shared.capacity_changed.notified()).await;
+        }
+        self.acker_stop.cancel();
+        let mut result = Ok(());
+        if let Some(a) = self.acker.take() {
+            if tokio::time::timeout(Duration::from_secs(30), a)
+                .await
+                .is_err()
+            {
+                result = Err(Error::Timeout("writing the last settlements"));
+            }
+        }
+        self.background.cancel();
+        if let Some(m) = self.maintenance.take() {
+            let _ = m.await;
+        }
+        if let Some(l) = self.listener.take() {
+            let _ = l.await;
+        }
+        if let Err(e) = claim::consumer_remove(&self.shared).await {
+            tracing::debug!(error = %e, "pgbus could not remove its consumer row");
+        }
+        self.shared.pool.close();
+        tracing::info!(worker = %self.shared.worker_id, "pgbus stopped");
+        result
+    }
+
+    fn held_count(&self) -> usize {
+        self.shared
+            .subs
+            .values()
+            .map(|s| s.held.load(Ordering::Acquire))
+            .sum()
+    }
+}
+
+/// Routes each claimed delivery to its subscription: a handler task, or a stream.
+async fn run_dispatcher(shared: Arc<Shared>, mut claims: ClaimStream) {
+    let run_limit = Arc::new(Semaphore::new(shared.opts.concurrency));
+    let mut tasks = JoinSet::new();
+    while let Some(delivery) = claims.next().await {
+        while tasks.try_join_next().is_some() {}
+        let sub = delivery.sub.clone();
+        match &sub.target {
+            Target::Stream(tx) => {
+                // A dropped stream drops the delivery unstarted: it is released.
+                let _ = tx.send(delivery);
+            }
+            Target::Handler(handler) => {
+                let handler = handler.clone();
+                let run_limit = run_limit.clone();
+                let stopping = shared.stopping.clone();
+                let default_timeout = sub.timeout;
+                let sub_limit = sub.run_limit.clone();
+                tasks.spawn(async move {
+                    let mut delivery = delivery;
+                    let _permit = tokio::select! {
+                        p = run_limit.acquire_owned() => p,
+                        // Never started: dropping it releases it.
+                        _ = stopping.cancelled() => return,
+                    };
+                    let _sub_permit = match sub_limit {
+                        Some(limit) => tokio::select! {
+                            p = limit.acquire_owned() => Some(p),
+                            _ = stopping.cancelled() => return,
+                        },
+                        None => None,
+                    };
+                    delivery.mark_started();
+                    let event = &delivery.event;
+                    let span = tracing::info_span!(
+                        "pgbus.deliver",
+                        messaging.system = "postgresql",
+                        messaging.operation = "process",
+                        messaging.destination.name = %event.name,
+                        messaging.destination.subscription.name = %delivery.sub.name,
+                        messaging.message.id = %event.id,
+                        messaging.message.conversation_id = event.correlation_id.as_deref(),
+                        pgbus.attempt = delivery.attempt,
+                    );
+                    let run = AssertUnwindSafe(handler.call(event)).catch_unwind();
+                    let outcome = match default_timeout {
+                        Some(t) => tokio::time::timeout(t, run)
+                            .instrument(span.clone())
+                            .await
+                            .ok(),
+                        None => Some(run.instrument(span.clone()).await),
+                    };
+                    let action = match outcome {
+                        Some(Ok(Ok(()))) => Action::Ack,
+                        Some(Ok(Err(e))) => {
+                            span.in_scope(|| tracing::debug!(error = %e, "pgbus handler failed"));
+                            delivery.fail_action(&e)
+                        }
+                        Some(Err(panic)) => {
+                            let msg = format!("handler panicked: {}", panic_message(&*panic));
+                            span.in_scope(
+                                || tracing::warn!(error = %msg, "pgbus handler panicked"),
+                            );
+                            delivery.fail_action(&HandlerError::new(msg))
+                        }
+                        None => {
+                            let msg = format!(
+                                "handler timed out after {:?}",
+                                default_timeout.unwrap_or_default()
+                            );
+                            delivery.fail_action(&HandlerError::new(msg))
+                        }
+                    };
+                    delivery.settle_nowait(action);
+                });
+            }
+        }
+    }
+    // Stopping: wait for running handlers up to the deadline, then abort the rest (their
+    // deliveries count as failed attempts and return at once).
+    let deadline = tokio::time::Instant::now() + shared.opts.shutdown_timeout;
+    while !tasks.is_empty() {
+        match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+            Ok(Some(_)) => {}
+            Ok(None) => break,
+            Err(_) => {
+                tracing::warn!(
+                    running = tasks.len(),
+                    "pgbus shutdown timeout: aborting handlers still running"
+                );
+                tasks.shutdown().await;
+                break;
+            }
+        }
+    }
+}
+
+/// The reaper, the lease heartbeat and the consumer heartbeat.
+async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
+    let mut reap = tokio::time::interval(shared.opts.poll_interval);
+    let mut extend = tokio::time::interval(shared.opts.lease / 3);
+    let mut heartbeat = tokio::time::interval(CONSUMER_HEARTBEAT);
+    for i in [&mut reap, &mut extend, &mut heartbeat] {
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    }
+    extend.tick().await;
+    heartbeat.tick().await;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = reap.tick() => match claim::reap(&shared).await {
+                Ok((pending, dead)) => {
+                    if pending + dead > 0 {
+                        shared.stats.reaped.fetch_add((pending + dead) as u64, Ordering::Relaxed);
+                        tracing::info!(returned = pending, dead, "pgbus reaped expired leases");
+                    }
+                    if pending > 0 {
+                        shared.wake.notify_one();
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "pgbus reaper failed"),
+            },
+            _ = extend.tick() => if let Err(e) = claim::extend_leases(&shared).await {
+                tracing::warn!(error = %e, "pgbus could not extend leases");
+            },
+            _ = heartbeat.tick() => if let Err(e) = claim::consumer_heartbeat(&shared).await {
+                tracing::debug!(error = %e, "pgbus consumer heartbeat failed");
+            },
+        }
+    }
+}

@@ -1,0 +1,662 @@
+//! Claiming, settling, extending and reaping, and the claim stream that drives them.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::time::Instant;
+use tokio_postgres::types::Type;
+use tracing::Instrument;
+
+use crate::bus::Shared;
+use crate::error::Result;
+use crate::event::Event;
+use crate::sql;
+use crate::subscribe::{Action, Delivery, Outcome, SettleMsg};
+
+/// A claim that returns at least this many deliveries marks the bus awake: it is
+/// draining, will claim again by itself, and publishers need not notify it.
+pub(crate) const AWAKE_THRESHOLD: i32 = 4;
+/// How long an awake bus keeps polling after its claims come back empty...
+pub(crate) const LINGER: Duration = Duration::from_millis(50);
+/// ...and how often.
+pub(crate) const COOLDOWN: Duration = Duration::from_millis(1);
+/// After falling asleep, claim again after these delays: a publisher that read "awake"
+/// just before the bus fell asleep sent no notification.
+pub(crate) const RECHECKS: [Duration; 3] = [
+    Duration::from_millis(10),
+    Duration::from_millis(50),
+    Duration::from_millis(250),
+];
+
+/// The result of one claim statement.
+struct Claimed {
+    deliveries: Vec<Delivery>,
+    /// Per subscription: how many were claimed.
+    per_sub: HashMap<Arc<str>, usize>,
+    next_due: Option<Duration>,
+}
+
+async fn claim(
+    shared: &Arc<Shared>,
+    quotas: &[(Arc<str>, usize)],
+    total: usize,
+) -> Result<Claimed> {
+    let client = shared.pool.get().await?;
+    let stmt = client
+        .prepare_typed_cached(
+            sql::CLAIM,
+            &[
+                Type::TEXT_ARRAY,
+                Type::INT4_ARRAY,
+                Type::INT4,
+                Type::INT8,
+                Type::TEXT,
+                Type::INT4,
+            ],
+        )
+        .await?;
+    let names: Vec<&str> = quotas.iter().map(|(n, _)| &**n).collect();
+    let limits: Vec<i32> = quotas.iter().map(|(_, q)| *q as i32).collect();
+    let total = total as i32;
+    let lease_ms = shared.opts.lease.as_millis() as i64;
+    let threshold = if shared.opts.poll_only {
+        i32::MAX
+    } else {
+        AWAKE_THRESHOLD
+    };
+    let rows = client
+        .query(
+            &stmt,
+            &[
+                &names,
+                &limits,
+                &total,
+                &lease_ms,
+                &shared.worker_id,
+                &threshold,
+            ],
+        )
+        .await?;
+    drop(client);
+    let mut next_due = None;
+    let mut deliveries = Vec::with_capacity(rows.len());
+    let mut per_sub: HashMap<Arc<str>, usize> = HashMap::new();
+    for row in rows {
+        if let Some(secs) = row.try_get::<_, Option<f64>>(0)? {
+            next_due = Some(Duration::from_secs_f64(secs.max(0.0)));
+        }
+        let Some(subscription) = row.try_get::<_, Option<&str>>(1)? else {
+            continue;
+        };
+        let Some(sub) = shared.subs.get(subscription).cloned() else {
+            continue; // not ours: cannot happen, the statement filters by our names
+        };
+        let attempt: i32 = row.try_get(2)?;
+        let event = Event {
+            seq: Some(row.try_get(3)?),
+            id: row.try_get(4)?,
+            name: row.try_get(5)?,
+            version: row.try_get(6)?,
+            source: row.try_get(7)?,
+            aggregate_type: row.try_get(8)?,
+            aggregate_id: row.try_get(9)?,
+            correlation_id: row.try_get(10)?,
+            causation_id: row.try_get(11)?,
+            occurred_at: Some(row.try_get(12)?),
+            payload: row.try_get(13)?,
+            headers: row.try_get(14)?,
+            deliver_at: None,
+            delay: None,
+            created_at: Some(row.try_get(15)?),
+        };
+        let seq = event.seq.unwrap_or_default();
+        // The claimer is the only one that acquires, and asked for no more than were
+        // free, so this cannot fail; were it to, the delivery simply holds no permit.
+        let permit = shared.capacity.clone().try_acquire_owned().ok();
+        sub.held.fetch_add(1, Ordering::AcqRel);
+        shared
+            .held
+            .lock()
+            .expect("held lock")
+            .insert((sub.name.clone(), seq), attempt);
+        *per_sub.entry(sub.name.clone()).or_default() += 1;
+        deliveries.push(Delivery::new(event, attempt, sub, shared.clone(), permit));
+    }
+    Ok(Claimed {
+        deliveries,
+        per_sub,
+        next_due,
+    })
+}
+
+/// The stream of deliveries claimed for this bus's subscriptions.
+///
+/// It claims while batches come back full, claims only as many deliveries as there are
+/// free slots (backpressure: in-flight deliveries never exceed the concurrency plus one
+/// batch), and otherwise waits for a notification, the next due retry or the fallback
+/// poll interval, whichever comes first. It ends when the bus shuts down.
+pub struct ClaimStream {
+    inner: Pin<Box<dyn Stream<Item = Delivery> + Send>>,
+}
+
+impl std::fmt::Debug for ClaimStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimStream").finish_non_exhaustive()
+    }
+}
+
+impl Stream for ClaimStream {
+    type Item = Delivery;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+        self.inner.as_mut().poll_next(cx)
+    }
+}
+
+impl ClaimStream {
+    pub(crate) fn new(shared: Arc<Shared>) -> ClaimStream {
+        let inner = async_stream::stream! {
+            let opts = shared.opts.clone();
+            let mut awake = shared.opts.poll_only;
+            let mut last_work = Instant::now() - LINGER;
+            let mut recheck = RECHECKS.len();
+            let mut errors: u32 = 0;
+            let mut by_poll = false;
+            let subs: Vec<_> = shared.subs.values().cloned().collect();
+            loop {
+                if shared.stopping.is_cancelled() {
+                    break;
+                }
+                let free = shared.capacity.available_permits().min(opts.batch_size);
+                let quotas: Vec<(Arc<str>, usize)> = subs
+                    .iter()
+                    .map(|s| (s.name.clone(), s.quota(free)))
+                    .filter(|(_, q)| *q > 0)
+                    .collect();
+                if free == 0 || quotas.is_empty() {
+                    // Every slot is taken: wait for a settlement.
+                    tokio::select! {
+                        _ = shared.stopping.cancelled() => break,
+                        _ = shared.capacity_changed.notified() => continue,
+                    }
+                }
+                let span = tracing::debug_span!(
+                    "pgbus.claim",
+                    messaging.system = "postgresql",
+                    messaging.operation = "receive",
+                    messaging.batch.message_count = tracing::field::Empty,
+                    pgbus.requested = free,
+                );
+                let claimed = claim(&shared, &quotas, free).instrument(span.clone()).await;
+                let claimed = match claimed {
+                    Ok(c) => {
+                        if errors > 0 {
+                            tracing::info!(after_errors = errors, "pgbus claims succeed again");
+                        }
+                        errors = 0;
+                        c
+                    }
+                    Err(e) => {
+                        if errors == 0 {
+                            tracing::warn!(error = %e, "pgbus claim failed; retrying with backoff");
+                        } else {
+                            tracing::debug!(error = %e, errors, "pgbus claim failed again");
+                        }
+                        errors += 1;
+                        shared.stats.claim_errors.fetch_add(1, Ordering::Relaxed);
+                        let delay = crate::listen::backoff_delay(errors).min(opts.poll_interval);
+                        tokio::select! {
+                            _ = shared.stopping.cancelled() => break,
+                            _ = tokio::time::sleep(delay) => continue,
+                        }
+                    }
+                };
+                let n = claimed.deliveries.len();
+                span.record("messaging.batch.message_count", n);
+                shared.stats.claims.fetch_add(1, Ordering::Relaxed);
+                if n > 0 {
+                    last_work = Instant::now();
+                    if by_poll {
+                        shared.stats.polls_found_work.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if n as i32 >= AWAKE_THRESHOLD {
+                        awake = true;
+                    }
+                }
+                by_poll = false;
+                // Did a subscription's own limit hold back due work?
+                let limited = quotas.iter().any(|(name, q)| {
+                    *q < free && claimed.per_sub.get(name).copied().unwrap_or(0) >= *q
+                });
+                for d in claimed.deliveries {
+                    yield d;
+                }
+                if n >= free {
+                    continue; // a full batch: there may be more
+                }
+                let now = Instant::now();
+                let mut wait = opts.poll_interval;
+                if let Some(due) = claimed.next_due {
+                    wait = wait.min(due);
+                }
+                if awake && !opts.poll_only {
+                    if now.duration_since(last_work) < LINGER {
+                        wait = wait.min(COOLDOWN);
+                    } else {
+                        // Fall asleep, then claim once more: whatever committed before the
+                        // mark was written is found by that claim, whatever after it
+                        // notifies.
+                        if let Err(e) = sleep_mark(&shared).await {
+                            tracing::debug!(error = %e, "pgbus could not mark itself asleep");
+                        }
+                        awake = false;
+                        recheck = 0;
+                        continue;
+                    }
+                } else if recheck < RECHECKS.len() {
+                    wait = wait.min(RECHECKS[recheck]);
+                    recheck += 1;
+                }
+                tokio::select! {
+                    _ = shared.stopping.cancelled() => break,
+                    _ = shared.wake.notified() => {
+                        if shared.notified.swap(false, Ordering::AcqRel) {
+                            shared.stats.wakeups_by_notification.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    _ = tokio::time::sleep(wait) => {
+                        if wait == opts.poll_interval {
+                            shared.stats.wakeups_by_poll.fetch_add(1, Ordering::Relaxed);
+                            by_poll = true;
+                        }
+                    }
+                    _ = shared.capacity_changed.notified(), if limited => {}
+                }
+            }
+        };
+        ClaimStream {
+            inner: Box::pin(inner),
+        }
+    }
+}
+
+async fn sleep_mark(shared: &Shared) -> Result<()> {
+    let client = shared.pool.get().await?;
+    let stmt = client
+        .prepare_typed_cached(sql::CONSUMER_SLEEP, &[Type::TEXT])
+        .await?;
+    client.execute(&stmt, &[&shared.worker_id]).await?;
+    Ok(())
+}
+
+/// The most settlements written by one statement.
+const SETTLE_BATCH: usize = 2000;
+
+/// The acker: writes settlements in batches (one statement each), answers the waiting
+/// callers, and keeps the stats. Runs until `stop` is cancelled and everything queued
+/// has been written (or could not be).
+pub(crate) async fn run_acker(
+    shared: Arc<Shared>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<SettleMsg>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    loop {
+        let first = tokio::select! {
+            biased;
+            m = rx.recv() => m,
+            _ = stop.cancelled() => None,
+        };
+        let mut batch = match first {
+            Some(m) => vec![m],
+            None => {
+                // Stopping: write what is queued, then end.
+                let mut rest = Vec::new();
+                while let Ok(m) = rx.try_recv() {
+                    rest.push(m);
+                }
+                for chunk in rest.chunks_mut(SETTLE_BATCH) {
+                    let chunk: Vec<SettleMsg> = chunk.iter_mut().map(take_msg).collect();
+                    write_batch(&shared, chunk, true).await;
+                }
+                return;
+            }
+        };
+        while batch.len() < SETTLE_BATCH {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
+            }
+        }
+        write_batch(&shared, batch, stop.is_cancelled()).await;
+    }
+}
+
+fn take_msg(m: &mut SettleMsg) -> SettleMsg {
+    SettleMsg {
+        sub: m.sub.clone(),
+        permit: m.permit.take(),
+        subscription: m.subscription.clone(),
+        seq: m.seq,
+        attempt: m.attempt,
+        action: std::mem::replace(&mut m.action, Action::Release),
+        reply: m.reply.take(),
+    }
+}
+
+/// Writes one batch, retrying while the database is unreachable (bounded when stopping).
+async fn write_batch(shared: &Arc<Shared>, batch: Vec<SettleMsg>, stopping: bool) {
+    let mut tries: u32 = 0;
+    let result = loop {
+        match settle(shared, &batch).await {
+            Ok(r) => break Ok(r),
+            Err(e) => {
+                tries += 1;
+                let give_up = if e.is_connection() {
+                    stopping && tries >= 5
+                } else {
+                    tries >= 3
+                };
+                if give_up {
+                    break Err(e.to_string());
+                }
+                if tries == 1 {
+                    tracing::warn!(error = %e, n = batch.len(), "pgbus could not write settlements; retrying");
+                }
+                tokio::time::sleep(crate::listen::backoff_delay(tries)).await;
+            }
+        }
+    };
+    let mut held = shared.held.lock().expect("held lock");
+    for m in &batch {
+        if held.get(&(m.subscription.clone(), m.seq)) == Some(&m.attempt) {
+            held.remove(&(m.subscription.clone(), m.seq));
+        }
+    }
+    drop(held);
+    match result {
+        Ok((rejected, dead)) => {
+            let mut retry_scheduled = false;
+            for mut m in batch {
+                let key = (m.subscription.clone(), m.seq);
+                let kind = action_kind(&m.action);
+                let ok = !rejected.contains(&(kind, key.clone()));
+                if ok {
+                    match &m.action {
+                        Action::Ack => {
+                            shared.stats.delivered.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Action::Fail { error, .. } => {
+                            shared.stats.failed.fetch_add(1, Ordering::Relaxed);
+                            if dead.contains(&key) {
+                                shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(
+                                    messaging.destination.subscription.name = %m.subscription,
+                                    pgbus.event_seq = m.seq,
+                                    pgbus.attempt = m.attempt,
+                                    error = %error,
+                                    "pgbus delivery dead-lettered"
+                                );
+                            } else {
+                                retry_scheduled = true;
+                            }
+                        }
+                        Action::Release => {
+                            shared.stats.released.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                } else {
+                    shared.stats.stale_rejected.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(
+                        messaging.destination.subscription.name = %m.subscription,
+                        pgbus.event_seq = m.seq,
+                        pgbus.attempt = m.attempt,
+                        kind,
+                        "pgbus rejected a stale settlement: the lease had been taken over"
+                    );
+                }
+                if let Some(reply) = m.reply.take() {
+                    let _ = reply.send(if ok {
+                        Outcome::Applied
+                    } else {
+                        Outcome::Rejected
+                    });
+                }
+                m.release_slot(shared);
+            }
+            if retry_scheduled || !dead.is_empty() {
+                // The claimer learns the next due retry from its next claim.
+                shared.wake.notify_one();
+            }
+        }
+        Err(reason) => {
+            tracing::error!(error = %reason, n = batch.len(), "pgbus gave up writing settlements; the leases will expire and the deliveries return");
+            shared.stats.settle_errors.fetch_add(1, Ordering::Relaxed);
+            for mut m in batch {
+                if let Some(reply) = m.reply.take() {
+                    let _ = reply.send(Outcome::Failed(reason.clone()));
+                }
+                m.release_slot(shared);
+            }
+        }
+    }
+}
+
+fn action_kind(a: &Action) -> &'static str {
+    match a {
+        Action::Ack => "ack",
+        Action::Fail { .. } => "fail",
+        Action::Release => "release",
+    }
+}
+
+type Key = (Arc<str>, i64);
+
+/// Runs the SETTLE statement for a batch; returns the rejected (kind, key) pairs and the
+/// keys dead-lettered.
+async fn settle(
+    shared: &Shared,
+    batch: &[SettleMsg],
+) -> Result<(
+    std::collections::HashSet<(&'static str, Key)>,
+    std::collections::HashSet<Key>,
+)> {
+    let mut ack = (Vec::new(), Vec::new(), Vec::new());
+    let mut fail = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    let mut rel = (Vec::new(), Vec::new(), Vec::new());
+    for m in batch {
+        match &m.action {
+            Action::Ack => {
+                ack.0.push(&*m.subscription);
+                ack.1.push(m.seq);
+                ack.2.push(m.attempt);
+            }
+            Action::Fail {
+                error,
+                delay,
+                permanent,
+            } => {
+                fail.0.push(&*m.subscription);
+                fail.1.push(m.seq);
+                fail.2.push(m.attempt);
+                fail.3.push(error.as_str());
+                fail.4.push(delay.as_millis().min(i64::MAX as u128) as i64);
+                fail.5.push(*permanent);
+            }
+            Action::Release => {
+                rel.0.push(&*m.subscription);
+                rel.1.push(m.seq);
+                rel.2.push(m.attempt);
+            }
+        }
+    }
+    let client = shared.pool.get().await?;
+    let stmt = client
+        .prepare_typed_cached(
+            sql::SETTLE,
+            &[
+                Type::TEXT_ARRAY,
+                Type::INT8_ARRAY,
+                Type::INT4_ARRAY,
+                Type::TEXT_ARRAY,
+                Type::INT8_ARRAY,
+                Type::INT4_ARRAY,
+                Type::TEXT_ARRAY,
+                Type::INT8_ARRAY,
+                Type::BOOL_ARRAY,
+                Type::TEXT_ARRAY,
+                Type::INT8_ARRAY,
+                Type::INT4_ARRAY,
+                Type::TEXT,
+            ],
+        )
+        .await?;
+    let rows = client
+        .query(
+            &stmt,
+            &[
+                &ack.0,
+                &ack.1,
+                &ack.2,
+                &fail.0,
+                &fail.1,
+                &fail.2,
+                &fail.3,
+                &fail.4,
+                &fail.5,
+                &rel.0,
+                &rel.1,
+                &rel.2,
+                &shared.worker_id,
+            ],
+        )
+        .await?;
+    let mut rejected = std::collections::HashSet::new();
+    let mut dead = std::collections::HashSet::new();
+    for row in rows {
+        let kind: &str = row.try_get(0)?;
+        let sub: &str = row.try_get(1)?;
+        let seq: i64 = row.try_get(2)?;
+        let key: Key = (Arc::from(sub), seq);
+        match kind {
+            "dead" => {
+                dead.insert(key);
+            }
+            "ack" => {
+                rejected.insert(("ack", key));
+            }
+            "fail" => {
+                rejected.insert(("fail", key));
+            }
+            _ => {
+                rejected.insert(("release", key));
+            }
+        }
+    }
+    Ok((rejected, dead))
+}
+
+/// Extends the leases of every delivery this bus still holds; returns how many.
+pub(crate) async fn extend_leases(shared: &Shared) -> Result<u64> {
+    let held: Vec<(Arc<str>, i64, i32)> = shared
+        .held
+        .lock()
+        .expect("held lock")
+        .iter()
+        .map(|((s, q), a)| (s.clone(), *q, *a))
+        .collect();
+    if held.is_empty() {
+        return Ok(0);
+    }
+    let subs: Vec<&str> = held.iter().map(|(s, _, _)| &**s).collect();
+    let seqs: Vec<i64> = held.iter().map(|(_, q, _)| *q).collect();
+    let attempts: Vec<i32> = held.iter().map(|(_, _, a)| *a).collect();
+    let lease_ms = shared.opts.lease.as_millis() as i64;
+    let client = shared.pool.get().await?;
+    let stmt = client
+        .prepare_typed_cached(
+            sql::EXTEND,
+            &[
+                Type::TEXT_ARRAY,
+                Type::INT8_ARRAY,
+                Type::INT4_ARRAY,
+                Type::INT8,
+                Type::TEXT,
+            ],
+        )
+        .await?;
+    let n = client
+        .execute(
+            &stmt,
+            &[&subs, &seqs, &attempts, &lease_ms, &shared.worker_id],
+        )
+        .await?;
+    Ok(n)
+}
+
+/// Reaps expired leases (of any bus); returns (back to pending, dead-lettered).
+pub(crate) async fn reap(shared: &Shared) -> Result<(i64, i64)> {
+    let client = shared.pool.get().await?;
+    let stmt = client
+        .prepare_typed_cached(sql::REAP, &[Type::INT4])
+        .await?;
+    let row = client.query_one(&stmt, &[&1000_i32]).await?;
+    Ok((row.try_get(0)?, row.try_get(1)?))
+}
+
+/// Registers or renews this bus's row in `pgbus.consumers`.
+pub(crate) async fn consumer_heartbeat(shared: &Shared) -> Result<()> {
+    let client = shared.pool.get().await?;
+    let stmt = client
+        .prepare_typed_cached(
+            sql::CONSUMER_HEARTBEAT,
+            &[
+                Type::TEXT,
+                Type::INT8,
+                Type::TEXT_ARRAY,
+                Type::TEXT,
+                Type::BOOL,
+            ],
+        )
+        .await?;
+    let ttl_ms = crate::bus::CONSUMER_TTL.as_millis() as i64;
+    let subs: Vec<&str> = shared.subs.keys().map(|s| &**s).collect();
+    let info = format!(
+        "pid {} on {}",
+        std::process::id(),
+        std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown host".into())
+    );
+    client
+        .execute(
+            &stmt,
+            &[
+                &shared.worker_id,
+                &ttl_ms,
+                &subs,
+                &info,
+                &shared.opts.poll_only,
+            ],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Removes this bus's row from `pgbus.consumers`.
+pub(crate) async fn consumer_remove(shared: &Shared) -> Result<()> {
+    let client = shared.pool.get().await?;
+    client
+        .execute(sql::CONSUMER_REMOVE, &[&shared.worker_id])
+        .await?;
+    Ok(())
+}

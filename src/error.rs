@@ -1,0 +1,205 @@
+//! The crate's error type and the error a handler returns.
+
+use std::fmt;
+use std::time::Duration;
+
+use tokio_postgres::error::SqlState;
+
+/// The result type of pgbus operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in pgbus.
+///
+/// Match on the variant to react to a kind of failure; [`Error::code`] gives the SQLSTATE
+/// where PostgreSQL refused a statement.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Input was refused before anything was written: an empty or over-long name, an
+    /// invalid pattern, a payload with `\u0000`, a payload over the size limit, headers
+    /// that are not a JSON object, a malformed connection string.
+    #[error("invalid {what}: {reason}")]
+    Invalid {
+        /// What was invalid, e.g. `event name` or `payload`.
+        what: &'static str,
+        /// Why, in words.
+        reason: String,
+    },
+    /// An event with this id was already published with different content.
+    #[error("event {id} was already published with different content")]
+    Conflict {
+        /// The conflicting event id.
+        id: String,
+    },
+    /// The `pgbus` schema is missing or older than this library: run `pgbus migrate`.
+    #[error("the pgbus schema is missing or out of date in this database: run `pgbus migrate`")]
+    SchemaMissing(#[source] tokio_postgres::Error),
+    /// A migration recorded as applied differs from the one embedded in this binary.
+    #[error("migration {version} was applied with different content than this binary carries")]
+    MigrationDrift {
+        /// The migration's version.
+        version: i32,
+    },
+    /// PostgreSQL refused a statement, or the connection failed.
+    #[error("database error: {0}")]
+    Database(#[source] tokio_postgres::Error),
+    /// No connection could be taken from the bus's pool.
+    #[error("connection pool error: {0}")]
+    Pool(#[source] deadpool_postgres::PoolError),
+    /// A wait inside pgbus ran past its deadline.
+    #[error("timed out while {0}")]
+    Timeout(&'static str),
+    /// The lease on a delivery was lost (it expired and the delivery was claimed again,
+    /// or an operator changed it), so the settlement changed nothing.
+    #[error("the lease on this delivery was lost; the settlement changed nothing")]
+    LeaseLost,
+    /// A settlement (ack, failure, release) could not be written; the delivery's lease
+    /// will expire and it will be delivered again.
+    #[error("could not record the settlement: {reason}")]
+    Settle {
+        /// Why.
+        reason: String,
+    },
+    /// The bus has shut down.
+    #[error("the bus has shut down")]
+    Closed,
+}
+
+impl Error {
+    /// The SQLSTATE code, where PostgreSQL refused a statement.
+    pub fn code(&self) -> Option<&SqlState> {
+        match self {
+            Error::Database(e) | Error::SchemaMissing(e) => e.code(),
+            Error::Pool(deadpool_postgres::PoolError::Backend(e)) => e.code(),
+            _ => None,
+        }
+    }
+
+    /// The error PostgreSQL reported, with its message, detail and hint, if any.
+    pub fn as_db_error(&self) -> Option<&tokio_postgres::error::DbError> {
+        match self {
+            Error::Database(e) | Error::SchemaMissing(e) => e.as_db_error(),
+            Error::Pool(deadpool_postgres::PoolError::Backend(e)) => e.as_db_error(),
+            _ => None,
+        }
+    }
+
+    /// Whether this is a [`Error::Conflict`].
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, Error::Conflict { .. })
+    }
+
+    /// Whether the error came from a lost or unusable connection (worth a retry).
+    pub fn is_connection(&self) -> bool {
+        match self {
+            Error::Database(e) => e.is_closed() || e.code().is_none(),
+            Error::Pool(_) => true,
+            _ => false,
+        }
+    }
+
+    pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
+        Error::Invalid {
+            what,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for Error {
+    fn from(e: tokio_postgres::Error) -> Self {
+        let missing = matches!(
+            e.code(),
+            Some(c) if *c == SqlState::UNDEFINED_TABLE
+                || *c == SqlState::INVALID_SCHEMA_NAME
+                || *c == SqlState::UNDEFINED_FUNCTION
+                || *c == SqlState::UNDEFINED_COLUMN
+        ) && e
+            .as_db_error()
+            .is_some_and(|db| db.message().contains("pgbus"));
+        if missing {
+            Error::SchemaMissing(e)
+        } else {
+            Error::Database(e)
+        }
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for Error {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        match e {
+            deadpool_postgres::PoolError::Backend(e) => e.into(),
+            e => Error::Pool(e),
+        }
+    }
+}
+
+/// What a handler returns when it could not handle an event.
+///
+/// Any `std::error::Error` converts into it, so `?` works in handlers. (For that reason
+/// it does not implement `std::error::Error` itself.)
+///
+/// By default the attempt is retried after the subscription's backoff. A handler can ask
+/// for a specific delay ([`HandlerError::retry_after`]) or give up at once
+/// ([`HandlerError::permanent`]), which dead-letters the delivery.
+#[derive(Debug)]
+pub struct HandlerError {
+    message: String,
+    retry_after: Option<Duration>,
+    permanent: bool,
+}
+
+impl HandlerError {
+    /// A failed attempt, retried after the subscription's backoff.
+    pub fn new(message: impl fmt::Display) -> Self {
+        HandlerError {
+            message: message.to_string(),
+            retry_after: None,
+            permanent: false,
+        }
+    }
+
+    /// A failed attempt to retry after `delay` instead of the backoff (still counted
+    /// against the subscription's maximum attempts).
+    pub fn retry_after(message: impl fmt::Display, delay: Duration) -> Self {
+        HandlerError {
+            retry_after: Some(delay),
+            ..HandlerError::new(message)
+        }
+    }
+
+    /// A failure that retrying cannot fix: the delivery goes to the dead letters now.
+    pub fn permanent(message: impl fmt::Display) -> Self {
+        HandlerError {
+            permanent: true,
+            ..HandlerError::new(message)
+        }
+    }
+
+    /// The error message recorded in the delivery's history.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The delay the handler asked for, if any.
+    pub fn delay(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// Whether the handler gave up on this event.
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl<E: std::error::Error> From<E> for HandlerError {
+    fn from(e: E) -> Self {
+        HandlerError::new(e)
+    }
+}

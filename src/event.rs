@@ -1,0 +1,418 @@
+//! The event envelope and its builder, and the validation of what goes into the log.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// The longest event name, subscription name or event id, in bytes.
+pub const MAX_NAME_BYTES: usize = 255;
+
+/// The default limit on an event's payload, in bytes of JSON text: 1 MiB.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
+/// An event: the immutable envelope written to `pgbus.events`.
+///
+/// Build one with [`Event::new`] and the chained setters, then publish it with
+/// [`publish`](crate::publish). The id defaults to a fresh UUIDv7, so it is known before
+/// the event is published and can be logged or returned to a caller.
+///
+/// Handlers receive the same type, read back from the log, with the fields PostgreSQL
+/// filled in (`seq`, `occurred_at`, `created_at`).
+///
+/// ```
+/// use pgbus::Event;
+/// use serde_json::json;
+///
+/// let event = Event::new("order.placed", json!({"order_id": 42}))
+///     .aggregate("order", "42")
+///     .correlation_id("req-7f3a")
+///     .header("tenant", "acme");
+/// assert_eq!(event.name, "order.placed");
+/// assert_eq!(event.aggregate_id.as_deref(), Some("42"));
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Event {
+    /// The event's position in the log; `None` until it is read back from the log.
+    pub seq: Option<i64>,
+    /// The idempotency key (default: a fresh UUIDv7).
+    pub id: String,
+    /// The event's name, e.g. `order.placed`; subscriptions match on it.
+    pub name: String,
+    /// The payload's schema version (default 1).
+    pub version: i32,
+    /// The service or component that emitted the event.
+    pub source: Option<String>,
+    /// The kind of entity the event is about, e.g. `order`.
+    pub aggregate_type: Option<String>,
+    /// The id of the entity the event is about.
+    pub aggregate_id: Option<String>,
+    /// Shared by everything one request caused.
+    pub correlation_id: Option<String>,
+    /// The id of the event or command that caused this one.
+    pub causation_id: Option<String>,
+    /// When it happened; `None` means the publishing transaction's `now()`.
+    pub occurred_at: Option<DateTime<Utc>>,
+    /// The payload.
+    pub payload: Value,
+    /// Headers: a JSON object of metadata (tracing context, tenant, ...).
+    pub headers: Value,
+    /// Deliver no earlier than this time (set by [`Event::deliver_at`]).
+    pub deliver_at: Option<DateTime<Utc>>,
+    /// Deliver after this delay, by the database's clock (set by [`Event::delay`]).
+    pub delay: Option<Duration>,
+    /// When the event was written to the log; `None` until read back from it.
+    pub created_at: Option<DateTime<Utc>>,
+}
+
+impl Event {
+    /// A new event named `name` (e.g. `order.placed`) carrying `payload`.
+    ///
+    /// Its id is a fresh UUIDv7; its version is 1; its headers are an empty object.
+    pub fn new(name: impl Into<String>, payload: Value) -> Self {
+        Event {
+            seq: None,
+            id: uuid::Uuid::now_v7().to_string(),
+            name: name.into(),
+            version: 1,
+            source: None,
+            aggregate_type: None,
+            aggregate_id: None,
+            correlation_id: None,
+            causation_id: None,
+            occurred_at: None,
+            payload,
+            headers: Value::Object(Default::default()),
+            deliver_at: None,
+            delay: None,
+            created_at: None,
+        }
+    }
+
+    /// Sets the id: the idempotency key. Publishing the same id again with the same
+    /// content is a no-op; with different content it fails with [`Error::Conflict`].
+    pub fn id(mut self, id: impl Into<String>) -> Self {
+        self.id = id.into();
+        self
+    }
+
+    /// Sets the schema version of the payload (default 1).
+    pub fn version(mut self, version: i32) -> Self {
+        self.version = version;
+        self
+    }
+
+    /// Sets the source: the service or component that emitted the event.
+    pub fn source(mut self, source: impl Into<String>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// Sets the aggregate (the entity the event is about), e.g. `("order", "42")`.
+    pub fn aggregate(mut self, kind: impl Into<String>, id: impl Into<String>) -> Self {
+        self.aggregate_type = Some(kind.into());
+        self.aggregate_id = Some(id.into());
+        self
+    }
+
+    /// Sets the correlation id shared by everything one request caused.
+    pub fn correlation_id(mut self, id: impl Into<String>) -> Self {
+        self.correlation_id = Some(id.into());
+        self
+    }
+
+    /// Sets the causation id: the id of the event or command that caused this one.
+    pub fn causation_id(mut self, id: impl Into<String>) -> Self {
+        self.causation_id = Some(id.into());
+        self
+    }
+
+    /// Sets when the event happened (default: the publishing transaction's `now()`).
+    pub fn occurred_at(mut self, at: DateTime<Utc>) -> Self {
+        self.occurred_at = Some(at);
+        self
+    }
+
+    /// Replaces the headers. They must be a JSON object; anything else is refused by
+    /// [`publish`](crate::publish) with [`Error::Invalid`].
+    pub fn headers(mut self, headers: Value) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// Adds one header (replacing headers that were not an object).
+    pub fn header(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
+        if !self.headers.is_object() {
+            self.headers = Value::Object(Default::default());
+        }
+        if let Value::Object(map) = &mut self.headers {
+            map.insert(key.into(), value.into());
+        }
+        self
+    }
+
+    /// Delays delivery by `delay`, measured by the database's clock from the publishing
+    /// transaction's start.
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.delay = Some(delay);
+        self.deliver_at = None;
+        self
+    }
+
+    /// Delivers no earlier than `at`.
+    pub fn deliver_at(mut self, at: DateTime<Utc>) -> Self {
+        self.deliver_at = Some(at);
+        self.delay = None;
+        self
+    }
+
+    /// The payload deserialized into `T`.
+    ///
+    /// # Errors
+    ///
+    /// When the payload does not have the shape of `T`.
+    pub fn payload_as<T: serde::de::DeserializeOwned>(&self) -> serde_json::Result<T> {
+        T::deserialize(&self.payload)
+    }
+
+    /// Checks everything PostgreSQL would refuse, and the size limit, and returns the
+    /// payload and headers as JSON text ready to send.
+    pub(crate) fn encode(&self, max_payload_bytes: usize) -> Result<Encoded> {
+        validate_name("event name", &self.name)?;
+        if self.id.is_empty() || self.id.len() > MAX_NAME_BYTES {
+            return Err(Error::invalid(
+                "event id",
+                format!(
+                    "must be 1 to {MAX_NAME_BYTES} bytes, got {} bytes",
+                    self.id.len()
+                ),
+            ));
+        }
+        if !self.headers.is_object() {
+            return Err(Error::invalid(
+                "headers",
+                format!(
+                    "must be a JSON object, got {}",
+                    json_type_name(&self.headers)
+                ),
+            ));
+        }
+        check_no_nul("payload", &self.payload)?;
+        check_no_nul("headers", &self.headers)?;
+        let payload = serde_json::to_string(&self.payload)
+            .map_err(|e| Error::invalid("payload", e.to_string()))?;
+        if payload.len() > max_payload_bytes {
+            return Err(Error::invalid(
+                "payload",
+                format!(
+                    "{} bytes of JSON exceeds the limit of {max_payload_bytes} bytes",
+                    payload.len()
+                ),
+            ));
+        }
+        let headers = serde_json::to_string(&self.headers)
+            .map_err(|e| Error::invalid("headers", e.to_string()))?;
+        let delay_ms =
+            match self.delay {
+                Some(d) => Some(i64::try_from(d.as_millis()).map_err(|_| {
+                    Error::invalid("delay", format!("{d:?} is too long to represent"))
+                })?),
+                None => None,
+            };
+        Ok(Encoded {
+            payload,
+            headers,
+            delay_ms,
+        })
+    }
+}
+
+/// An event's JSON text, validated and ready for the wire.
+#[derive(Debug)]
+pub(crate) struct Encoded {
+    pub(crate) payload: String,
+    pub(crate) headers: String,
+    pub(crate) delay_ms: Option<i64>,
+}
+
+/// Checks an event or subscription name: 1 to 255 bytes, no white space, control
+/// characters or `*`. The same rule is a CHECK constraint in the schema.
+pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(Error::invalid(what, "must not be empty"));
+    }
+    if name.len() > MAX_NAME_BYTES {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "must be at most {MAX_NAME_BYTES} bytes, got {} bytes",
+                name.len()
+            ),
+        ));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| c.is_whitespace() || c.is_control() || *c == '*')
+    {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "{name:?} contains {c:?}; white space, control characters and '*' are not allowed"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a subscription pattern: `*`, an exact event name, or a name prefix followed by
+/// `.*` (which matches every name that starts with the prefix and a dot).
+pub(crate) fn validate_pattern(pattern: &str) -> Result<()> {
+    if pattern == "*" {
+        return Ok(());
+    }
+    let base = pattern.strip_suffix(".*").unwrap_or(pattern);
+    validate_name("pattern", base).map_err(|e| match e {
+        Error::Invalid { reason, .. } => Error::invalid(
+            "pattern",
+            format!("{pattern:?}: {reason} (use '*', an event name, or 'prefix.*')"),
+        ),
+        e => e,
+    })
+}
+
+/// Whether `pattern` matches `event_name` (the same rule as `pgbus.pattern_matches`).
+pub fn pattern_matches(pattern: &str, event_name: &str) -> bool {
+    if pattern == "*" || pattern == event_name {
+        return true;
+    }
+    match pattern.strip_suffix('*') {
+        Some(prefix) if prefix.ends_with('.') => event_name.starts_with(prefix),
+        _ => false,
+    }
+}
+
+/// PostgreSQL's jsonb cannot store `\u0000`; find it first and name where it is.
+fn check_no_nul(what: &'static str, value: &Value) -> Result<()> {
+    fn walk(value: &Value, path: &mut String) -> Option<String> {
+        match value {
+            Value::String(s) if s.contains('\0') => Some(path.clone()),
+            Value::Array(items) => items.iter().enumerate().find_map(|(i, v)| {
+                let len = path.len();
+                let _ = write!(path, "[{i}]");
+                let found = walk(v, path);
+                path.truncate(len);
+                found
+            }),
+            Value::Object(map) => map.iter().find_map(|(k, v)| {
+                let len = path.len();
+                if is_plain_key(k) {
+                    let _ = write!(path, ".{k}");
+                } else {
+                    let _ = write!(path, "[{}]", Value::String(k.clone()));
+                }
+                let found = if k.contains('\0') {
+                    Some(format!("{path} (in the key)"))
+                } else {
+                    walk(v, path)
+                };
+                path.truncate(len);
+                found
+            }),
+            _ => None,
+        }
+    }
+    let mut path = String::from("$");
+    match walk(value, &mut path) {
+        Some(at) => Err(Error::invalid(
+            what,
+            format!("contains \\u0000 at {at}, which PostgreSQL's jsonb cannot store"),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn is_plain_key(k: &str) -> bool {
+    !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+fn json_type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn nul_is_found_with_its_path() {
+        let e = Event::new("a.b", json!({"x": [1, {"y z": "a\u{0}b"}]}));
+        let err = e.encode(DEFAULT_MAX_PAYLOAD_BYTES).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid payload: contains \\u0000 at $.x[1][\"y z\"], which PostgreSQL's jsonb cannot store"
+        );
+    }
+
+    #[test]
+    fn nul_in_a_key_is_found() {
+        let e = Event::new("a.b", json!({"k\u{0}": 1}));
+        let err = e.encode(DEFAULT_MAX_PAYLOAD_BYTES).unwrap_err();
+        assert!(err.to_string().contains("(in the key)"), "{err}");
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(validate_name("event name", "order.placed").is_ok());
+        assert!(validate_name("event name", "").is_err());
+        assert!(validate_name("event name", "a b").is_err());
+        assert!(validate_name("event name", "a*").is_err());
+        assert!(validate_name("event name", &"x".repeat(256)).is_err());
+        assert!(validate_name("event name", &"x".repeat(255)).is_ok());
+    }
+
+    #[test]
+    fn patterns_match_like_the_schema() {
+        assert!(validate_pattern("*").is_ok());
+        assert!(validate_pattern("order.*").is_ok());
+        assert!(validate_pattern("order.placed").is_ok());
+        assert!(validate_pattern("order*").is_err());
+        assert!(validate_pattern("*.placed").is_err());
+        assert!(validate_pattern("").is_err());
+        assert!(pattern_matches("*", "x"));
+        assert!(pattern_matches("order.*", "order.placed"));
+        assert!(pattern_matches("order.*", "order.line.added"));
+        assert!(!pattern_matches("order.*", "order"));
+        assert!(!pattern_matches("order.*", "orders.placed"));
+        assert!(pattern_matches("order.placed", "order.placed"));
+        assert!(!pattern_matches("order.placed", "order.placed.v2"));
+    }
+
+    #[test]
+    fn headers_must_be_an_object() {
+        let e = Event::new("a", json!(1)).headers(json!([1]));
+        let err = e.encode(DEFAULT_MAX_PAYLOAD_BYTES).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid headers: must be a JSON object, got an array"
+        );
+    }
+
+    #[test]
+    fn payload_limit_is_enforced() {
+        let e = Event::new("a", json!("x".repeat(100)));
+        assert!(e.encode(50).is_err());
+        assert!(e.encode(200).is_ok());
+    }
+}

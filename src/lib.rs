@@ -1,0 +1,66 @@
+//! pgbus: a transactional outbox and event bus on PostgreSQL, delivered by push.
+//!
+//! An application publishes events inside its own business transaction; when that
+//! transaction commits, a trigger's `pg_notify` wakes every listening bus, which claims
+//! the new deliveries with `FOR UPDATE SKIP LOCKED` and hands them to the handlers
+//! subscribed to them. Each subscription gets its own delivery of each matching event,
+//! and succeeds, retries, dies and is replayed on its own.
+//!
+//! ```no_run
+//! use pgbus::Event;
+//! use serde_json::json;
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let (mut client, connection) =
+//!     tokio_postgres::connect("host=localhost user=postgres", tokio_postgres::NoTls).await?;
+//! tokio::spawn(connection);
+//!
+//! // Once per database (also: `pgbus migrate`).
+//! pgbus::migrate(&client).await?;
+//!
+//! // Publish inside the business transaction: delivered only if it commits.
+//! let tx = client.transaction().await?;
+//! tx.execute("SELECT 1", &[]).await?; // ... the business writes ...
+//! pgbus::publish(&tx, &Event::new("order.placed", json!({"order_id": 42}))
+//!     .aggregate("order", "42")
+//!     .correlation_id("req-7f3a"))
+//!     .await?;
+//! tx.commit().await?;
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod admin;
+mod bus;
+mod claim;
+mod dispatch;
+pub mod embedded;
+mod error;
+mod event;
+mod listen;
+mod publish;
+mod retry;
+pub mod schema;
+pub mod sql;
+mod subscribe;
+
+pub use bus::{
+    Bus, BusBuilder, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_HANDLER_TIMEOUT,
+    DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, DEFAULT_POOL_SIZE, DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_STATEMENT_TIMEOUT, RunningBus, Stats,
+};
+pub use claim::ClaimStream;
+pub use dispatch::{Handler, SubscriptionOptions};
+pub use error::{Error, HandlerError, Result};
+pub use event::{DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_NAME_BYTES, pattern_matches};
+pub use publish::{Executor, Published, Publisher, publish, publish_batch};
+pub use retry::{
+    DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE, DEFAULT_RETRY_CAP, DEFAULT_RETRY_FACTOR, RetryPolicy,
+};
+pub use schema::migrate;
+pub use subscribe::{Delivery, Subscription};
+
+/// The README's examples, compiled as doc tests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -1,0 +1,398 @@
+//! Publishing events inside the caller's transaction.
+//!
+//! [`publish`] and [`publish_batch`] join whatever transaction the given client is in and
+//! never begin or commit one: the events become visible, and their deliveries claimable,
+//! exactly when the caller's business transaction commits, and vanish with it when it
+//! rolls back. Each call is one round trip: a single statement, sent as an unnamed
+//! prepared statement with its parameter types, so it works behind transaction-mode
+//! poolers too.
+
+use chrono::{DateTime, Utc};
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::error::{Error, Result};
+use crate::event::{DEFAULT_MAX_PAYLOAD_BYTES, Event};
+
+/// A connection or transaction that pgbus can publish through.
+///
+/// Implemented for `tokio_postgres::Client` and `Transaction`, and for
+/// `deadpool_postgres`'s `Object` (a pooled client), `ClientWrapper` and `Transaction`.
+/// Sealed: it cannot be implemented outside pgbus.
+pub trait Executor: private::Sealed + Sync {
+    /// The tokio-postgres client or transaction underneath.
+    type Client: GenericClient + Sync;
+
+    /// Returns the tokio-postgres client or transaction underneath.
+    fn client(&self) -> &Self::Client;
+}
+
+mod private {
+    pub trait Sealed {}
+}
+
+impl private::Sealed for tokio_postgres::Client {}
+impl Executor for tokio_postgres::Client {
+    type Client = Self;
+    fn client(&self) -> &Self {
+        self
+    }
+}
+
+impl private::Sealed for tokio_postgres::Transaction<'_> {}
+impl<'a> Executor for tokio_postgres::Transaction<'a> {
+    type Client = Self;
+    fn client(&self) -> &Self {
+        self
+    }
+}
+
+impl private::Sealed for deadpool_postgres::ClientWrapper {}
+impl Executor for deadpool_postgres::ClientWrapper {
+    type Client = tokio_postgres::Client;
+    fn client(&self) -> &tokio_postgres::Client {
+        self
+    }
+}
+
+impl private::Sealed for deadpool_postgres::Object {}
+impl Executor for deadpool_postgres::Object {
+    type Client = tokio_postgres::Client;
+    fn client(&self) -> &tokio_postgres::Client {
+        self
+    }
+}
+
+impl private::Sealed for deadpool_postgres::Transaction<'_> {}
+impl<'a> Executor for deadpool_postgres::Transaction<'a> {
+    type Client = tokio_postgres::Transaction<'a>;
+    fn client(&self) -> &tokio_postgres::Transaction<'a> {
+        self
+    }
+}
+
+/// What [`publish`] did with an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Published {
+    /// The event was written to the log, and its deliveries created.
+    Inserted,
+    /// An identical event with this id was already in the log: nothing was written.
+    Duplicate,
+}
+
+/// Publishes with non-default limits. [`publish`] and [`publish_batch`] use
+/// `Publisher::default()`.
+#[derive(Debug, Clone, Copy)]
+pub struct Publisher {
+    max_payload_bytes: usize,
+}
+
+impl Default for Publisher {
+    fn default() -> Self {
+        Publisher {
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+        }
+    }
+}
+
+/// The statement, around its source of rows (`VALUES` for one event, `unnest` of
+/// arrays for a batch).
+///
+/// `conflict` finds an id already in the log with different content; then nothing is
+/// inserted, so a conflict writes nothing. A conflicting row committed after this
+/// statement's snapshot is caught by ON CONFLICT, whose no-op update makes it visible in
+/// RETURNING; an identical one is left alone and returns nothing (a duplicate).
+const INSERT_HEAD: &str = "WITH t AS (SELECT * FROM ";
+
+const INSERT_TAIL: &str = "),
+conflict AS (
+  SELECT t.id FROM t JOIN pgbus.events AS e ON e.id = t.id
+  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload, e.headers)
+        IS DISTINCT FROM
+        (t.event_name, t.event_version, t.aggregate_type, t.aggregate_id,
+         t.payload::jsonb, t.headers::jsonb)
+  LIMIT 1
+),
+written AS (
+  INSERT INTO pgbus.events AS e
+    (id, event_name, event_version, source, aggregate_type, aggregate_id, correlation_id,
+     causation_id, occurred_at, payload, headers, available_at)
+  SELECT t.id, t.event_name, t.event_version, t.source, t.aggregate_type, t.aggregate_id,
+         t.correlation_id, t.causation_id, coalesce(t.occurred_at, now()),
+         t.payload::jsonb, t.headers::jsonb,
+         coalesce(t.deliver_at, now() + t.delay_ms * interval '1 millisecond', now())
+  FROM t
+  WHERE NOT EXISTS (SELECT 1 FROM conflict)
+  ON CONFLICT ON CONSTRAINT events_id_key DO UPDATE SET id = EXCLUDED.id
+  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload, e.headers)
+        IS DISTINCT FROM
+        (EXCLUDED.event_name, EXCLUDED.event_version, EXCLUDED.aggregate_type,
+         EXCLUDED.aggregate_id, EXCLUDED.payload, EXCLUDED.headers)
+  RETURNING e.id, xmax = 0 AS inserted
+)
+SELECT (SELECT count(*) FROM written WHERE inserted),
+       coalesce((SELECT id FROM conflict), (SELECT id FROM written WHERE NOT inserted LIMIT 1))";
+
+const COLUMNS: &str = "t(id, event_name, event_version, source, aggregate_type, aggregate_id, \
+     correlation_id, causation_id, occurred_at, payload, headers, deliver_at, delay_ms)";
+
+/// Parameter types of the single-event statement, in order.
+const ONE_TYPES: [Type; 13] = [
+    Type::TEXT,
+    Type::TEXT,
+    Type::INT4,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TIMESTAMPTZ,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TIMESTAMPTZ,
+    Type::INT8,
+];
+
+/// Parameter types of the batch statement: the same columns as arrays.
+const BATCH_TYPES: [Type; 13] = [
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::INT4_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TIMESTAMPTZ_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TIMESTAMPTZ_ARRAY,
+    Type::INT8_ARRAY,
+];
+
+fn one_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        format!(
+            "{INSERT_HEAD}(VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)) AS {COLUMNS}{INSERT_TAIL}"
+        )
+    })
+}
+
+fn batch_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        format!(
+            "{INSERT_HEAD}unnest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) AS {COLUMNS}{INSERT_TAIL}"
+        )
+    })
+}
+
+impl Publisher {
+    /// A publisher with the default limits.
+    pub fn new() -> Self {
+        Publisher::default()
+    }
+
+    /// Sets the largest payload accepted, in bytes of JSON text (default
+    /// [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB).
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_payload_bytes = bytes;
+        self
+    }
+
+    /// Publishes one event in the client's current transaction. See [`publish`].
+    ///
+    /// # Errors
+    ///
+    /// As [`publish`].
+    pub async fn publish<C: Executor + ?Sized>(
+        &self,
+        client: &C,
+        event: &Event,
+    ) -> Result<Published> {
+        let enc = event.encode(self.max_payload_bytes)?;
+        let span = tracing::debug_span!(
+            "pgbus.publish",
+            messaging.system = "postgresql",
+            messaging.destination.name = %event.name,
+            messaging.message.id = %event.id,
+            messaging.batch.message_count = 1_i64,
+        );
+        let _enter = span.enter();
+        let params: [(&(dyn ToSql + Sync), Type); 13] = [
+            (&event.id, ONE_TYPES[0].clone()),
+            (&event.name, ONE_TYPES[1].clone()),
+            (&event.version, ONE_TYPES[2].clone()),
+            (&event.source, ONE_TYPES[3].clone()),
+            (&event.aggregate_type, ONE_TYPES[4].clone()),
+            (&event.aggregate_id, ONE_TYPES[5].clone()),
+            (&event.correlation_id, ONE_TYPES[6].clone()),
+            (&event.causation_id, ONE_TYPES[7].clone()),
+            (&event.occurred_at, ONE_TYPES[8].clone()),
+            (&enc.payload, ONE_TYPES[9].clone()),
+            (&enc.headers, ONE_TYPES[10].clone()),
+            (&event.deliver_at, ONE_TYPES[11].clone()),
+            (&enc.delay_ms, ONE_TYPES[12].clone()),
+        ];
+        drop(_enter);
+        let rows = client.client().query_typed(one_sql(), &params).await?;
+        match outcome(&rows)? {
+            (1, None) => Ok(Published::Inserted),
+            (_, Some(id)) => Err(Error::Conflict { id }),
+            _ => Ok(Published::Duplicate),
+        }
+    }
+
+    /// Publishes many events in one statement in the client's current transaction. See
+    /// [`publish_batch`].
+    ///
+    /// # Errors
+    ///
+    /// As [`publish_batch`].
+    pub async fn publish_batch<C: Executor + ?Sized>(
+        &self,
+        client: &C,
+        events: &[Event],
+    ) -> Result<u64> {
+        if events.is_empty() {
+            return Ok(0);
+        }
+        let n = events.len();
+        let mut ids = Vec::with_capacity(n);
+        let mut names = Vec::with_capacity(n);
+        let mut versions = Vec::with_capacity(n);
+        let mut sources = Vec::with_capacity(n);
+        let mut agg_types = Vec::with_capacity(n);
+        let mut agg_ids = Vec::with_capacity(n);
+        let mut correlations = Vec::with_capacity(n);
+        let mut causations = Vec::with_capacity(n);
+        let mut occurred: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+        let mut payloads = Vec::with_capacity(n);
+        let mut headers = Vec::with_capacity(n);
+        let mut deliver_at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+        let mut delays = Vec::with_capacity(n);
+        let mut seen = std::collections::HashMap::with_capacity(n);
+        for (i, event) in events.iter().enumerate() {
+            let enc = event.encode(self.max_payload_bytes)?;
+            // One statement cannot insert the same id twice: identical repeats are
+            // dropped, different content under one id is a conflict.
+            if let Some(&first) = seen.get(event.id.as_str()) {
+                let first: &Event = &events[first];
+                if same_content(first, event) {
+                    continue;
+                }
+                return Err(Error::Conflict {
+                    id: event.id.clone(),
+                });
+            }
+            seen.insert(event.id.as_str(), i);
+            ids.push(event.id.as_str());
+            names.push(event.name.as_str());
+            versions.push(event.version);
+            sources.push(event.source.as_deref());
+            agg_types.push(event.aggregate_type.as_deref());
+            agg_ids.push(event.aggregate_id.as_deref());
+            correlations.push(event.correlation_id.as_deref());
+            causations.push(event.causation_id.as_deref());
+            occurred.push(event.occurred_at);
+            payloads.push(enc.payload);
+            headers.push(enc.headers);
+            deliver_at.push(event.deliver_at);
+            delays.push(enc.delay_ms);
+        }
+        let span = tracing::debug_span!(
+            "pgbus.publish",
+            messaging.system = "postgresql",
+            messaging.batch.message_count = n as i64,
+        );
+        let _enter = span.enter();
+        let params: [(&(dyn ToSql + Sync), Type); 13] = [
+            (&ids, BATCH_TYPES[0].clone()),
+            (&names, BATCH_TYPES[1].clone()),
+            (&versions, BATCH_TYPES[2].clone()),
+            (&sources, BATCH_TYPES[3].clone()),
+            (&agg_types, BATCH_TYPES[4].clone()),
+            (&agg_ids, BATCH_TYPES[5].clone()),
+            (&correlations, BATCH_TYPES[6].clone()),
+            (&causations, BATCH_TYPES[7].clone()),
+            (&occurred, BATCH_TYPES[8].clone()),
+            (&payloads, BATCH_TYPES[9].clone()),
+            (&headers, BATCH_TYPES[10].clone()),
+            (&deliver_at, BATCH_TYPES[11].clone()),
+            (&delays, BATCH_TYPES[12].clone()),
+        ];
+        drop(_enter);
+        let rows = client.client().query_typed(batch_sql(), &params).await?;
+        match outcome(&rows)? {
+            (_, Some(id)) => Err(Error::Conflict { id }),
+            (inserted, None) => Ok(inserted as u64),
+        }
+    }
+}
+
+/// Reads the statement's one row: how many events were inserted, and the first id whose
+/// content conflicted.
+fn outcome(rows: &[tokio_postgres::Row]) -> Result<(i64, Option<String>)> {
+    let row = rows
+        .first()
+        .ok_or_else(|| Error::invalid("publish", "the statement returned no row"))?;
+    Ok((row.try_get(0)?, row.try_get(1)?))
+}
+
+/// The content that idempotency compares (the same columns as the statement).
+fn same_content(a: &Event, b: &Event) -> bool {
+    a.name == b.name
+        && a.version == b.version
+        && a.aggregate_type == b.aggregate_type
+        && a.aggregate_id == b.aggregate_id
+        && a.payload == b.payload
+        && a.headers == b.headers
+}
+
+/// Publishes one event in the client's current transaction (one round trip).
+///
+/// The event is written to `pgbus.events`; the fan-out trigger creates one delivery per
+/// matching subscription, and the bus is notified when the transaction commits. Nothing
+/// is visible to consumers before COMMIT, and nothing is left after ROLLBACK.
+///
+/// Publishing is idempotent by [`Event::id`]: an identical event already in the log
+/// gives [`Published::Duplicate`] and writes nothing.
+///
+/// ```no_run
+/// # async fn f(client: &mut tokio_postgres::Client) -> Result<(), pgbus::Error> {
+/// use pgbus::Event;
+/// use serde_json::json;
+///
+/// let tx = client.transaction().await?;
+/// // ... the business writes ...
+/// pgbus::publish(&tx, &Event::new("order.placed", json!({"order_id": 42}))).await?;
+/// tx.commit().await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+///
+/// - [`Error::Invalid`] for bad input (name, id, headers, `\u0000`, size); nothing is sent.
+/// - [`Error::Conflict`] when the id is in the log with different content. Nothing was
+///   written; the caller's transaction is still usable and decides what follows.
+/// - [`Error::SchemaMissing`] when the database was never migrated.
+/// - [`Error::Database`] when PostgreSQL refuses the statement.
+pub async fn publish<C: Executor + ?Sized>(client: &C, event: &Event) -> Result<Published> {
+    Publisher::default().publish(client, event).await
+}
+
+/// Publishes many events in one statement (one round trip) in the client's current
+/// transaction, and returns how many were new.
+///
+/// The events are sent as arrays and expanded with `unnest` on the server. Identical
+/// repeats of an id (in the batch or in the log) are skipped.
+///
+/// # Errors
+///
+/// As [`publish`]; with a [`Error::Conflict`] or [`Error::Invalid`] nothing of the batch
+/// is written.
+pub async fn publish_batch<C: Executor + ?Sized>(client: &C, events: &[Event]) -> Result<u64> {
+    Publisher::default().publish_batch(client, events).await
+}

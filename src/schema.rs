@@ -1,0 +1,135 @@
+//! The embedded migrations and [`migrate`].
+//!
+//! Migrations are the numbered files in `sql/`, compiled into the binary. Each is applied
+//! in its own transaction under a transaction-scoped advisory lock and recorded, with a
+//! checksum, in `pgbus.schema_migrations`; running `migrate` twice, or from two processes
+//! at once, applies each migration exactly once.
+
+use crate::error::{Error, Result};
+
+/// One numbered migration from `sql/`.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct Migration {
+    /// The migration's number: migrations apply in ascending order.
+    pub version: i32,
+    /// A short name, from the file name.
+    pub name: &'static str,
+    /// The SQL it runs.
+    pub sql: &'static str,
+}
+
+/// Every migration this version of pgbus carries, in order.
+pub static MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "init",
+    sql: include_str!("../sql/0001_init.sql"),
+}];
+
+/// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,
+/// fixed so that every version of pgbus uses the same one).
+const MIGRATE_LOCK_KEY: i64 = 0x7067_6275_735f_6d67; // "pgbus_mg"
+
+const BOOTSTRAP: &str = "\
+CREATE SCHEMA IF NOT EXISTS pgbus;
+CREATE TABLE IF NOT EXISTS pgbus.schema_migrations (
+    version    integer     PRIMARY KEY,
+    name       text        NOT NULL,
+    checksum   text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);";
+
+/// Applies the migrations this database lacks and returns those it applied (empty when
+/// the schema was already current).
+///
+/// Safe to run concurrently from several processes: each migration runs in its own
+/// transaction under an advisory lock, and a migration already recorded is skipped.
+///
+/// # Errors
+///
+/// [`Error::Database`] when a statement fails (the failing migration is rolled back), and
+/// [`Error::MigrationDrift`] when a migration recorded as applied has different content
+/// from the one this binary carries.
+pub async fn migrate(client: &tokio_postgres::Client) -> Result<Vec<Migration>> {
+    let mut applied = Vec::new();
+    for migration in MIGRATIONS {
+        client.batch_execute("BEGIN").await?;
+        match apply_one(client, migration).await {
+            Ok(did_apply) => {
+                client.batch_execute("COMMIT").await?;
+                if did_apply {
+                    tracing::info!(
+                        version = migration.version,
+                        name = migration.name,
+                        "applied migration"
+                    );
+                    applied.push(*migration);
+                }
+            }
+            Err(e) => {
+                // The connection may be gone; the original error is the one that matters.
+                let _ = client.batch_execute("ROLLBACK").await;
+                return Err(e);
+            }
+        }
+    }
+    Ok(applied)
+}
+
+async fn apply_one(client: &tokio_postgres::Client, migration: &Migration) -> Result<bool> {
+    client
+        .execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATE_LOCK_KEY])
+        .await?;
+    client.batch_execute(BOOTSTRAP).await?;
+    let recorded = client
+        .query_opt(
+            "SELECT checksum = md5($2::text) FROM pgbus.schema_migrations WHERE version = $1",
+            &[&migration.version, &migration.sql],
+        )
+        .await?;
+    match recorded {
+        Some(row) if row.get::<_, bool>(0) => Ok(false),
+        Some(_) => Err(Error::MigrationDrift {
+            version: migration.version,
+        }),
+        None => {
+            client.batch_execute(migration.sql).await?;
+            client
+                .execute(
+                    "INSERT INTO pgbus.schema_migrations (version, name, checksum) \
+                     VALUES ($1, $2, md5($3::text))",
+                    &[&migration.version, &migration.name, &migration.sql],
+                )
+                .await?;
+            Ok(true)
+        }
+    }
+}
+
+/// The newest migration applied to this database, or `None` when pgbus was never
+/// migrated here.
+///
+/// # Errors
+///
+/// [`Error::Database`] when the query fails.
+pub async fn schema_version(client: &tokio_postgres::Client) -> Result<Option<i32>> {
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass('pgbus.schema_migrations') IS NOT NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    let row = client
+        .query_one("SELECT max(version) FROM pgbus.schema_migrations", &[])
+        .await?;
+    Ok(row.get(0))
+}
+
+/// The newest migration this binary carries.
+pub fn latest_version() -> i32 {
+    MIGRATIONS.last().map_or(0, |m| m.version)
+}

@@ -1,0 +1,309 @@
+//! In-process consumption: [`Delivery`] (one claimed event with its lease) and
+//! [`Subscription`] (a stream of them).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
+
+use crate::bus::Shared;
+use crate::dispatch::SubRuntime;
+use crate::error::{Error, HandlerError, Result};
+use crate::event::Event;
+
+/// What the acker is asked to write for one delivery.
+#[derive(Debug)]
+pub(crate) enum Action {
+    Ack,
+    Fail {
+        error: String,
+        delay: Duration,
+        permanent: bool,
+    },
+    /// Back to pending without consuming the attempt (claimed, never started).
+    Release,
+}
+
+/// How the acker answers.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    Applied,
+    /// The lease was no longer this worker's: nothing changed.
+    Rejected,
+    /// The settlement could not be written.
+    Failed(String),
+}
+
+/// One settlement on its way to the acker.
+#[derive(Debug)]
+pub(crate) struct SettleMsg {
+    pub(crate) sub: Arc<SubRuntime>,
+    pub(crate) subscription: Arc<str>,
+    pub(crate) seq: i64,
+    pub(crate) attempt: i32,
+    pub(crate) action: Action,
+    pub(crate) reply: Option<oneshot::Sender<Outcome>>,
+    /// The delivery's slot, freed once the settlement is written: until then the
+    /// delivery still counts as claimed.
+    pub(crate) permit: Option<OwnedSemaphorePermit>,
+}
+
+impl SettleMsg {
+    /// Frees the delivery's slot (after its settlement was written, or given up on).
+    pub(crate) fn release_slot(self, shared: &Shared) {
+        self.sub.held.fetch_sub(1, Ordering::AcqRel);
+        drop(self.permit);
+        shared.capacity_changed.notify_one();
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Claimed,
+    Started,
+    Settled,
+}
+
+/// One event claimed for one subscription, leased to this bus until it is settled.
+///
+/// Settle it with [`ack`](Delivery::ack) (done), [`fail`](Delivery::fail) (retry with
+/// backoff), [`retry_in`](Delivery::retry_in) (retry after a delay) or
+/// [`dead_letter`](Delivery::dead_letter) (give up). Its lease is extended in the
+/// background while you hold it.
+///
+/// A delivery dropped without being settled is not lost: if it was handed to the
+/// application, the drop counts as a failed attempt and it is redelivered at once (within
+/// the subscription's maximum attempts); if it was still buffered, it is released without
+/// consuming an attempt.
+pub struct Delivery {
+    pub(crate) event: Event,
+    pub(crate) attempt: i32,
+    pub(crate) sub: Arc<SubRuntime>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) permit: Option<OwnedSemaphorePermit>,
+    state: State,
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery")
+            .field("subscription", &self.sub.name)
+            .field("event_id", &self.event.id)
+            .field("event_name", &self.event.name)
+            .field("attempt", &self.attempt)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Delivery {
+    pub(crate) fn new(
+        event: Event,
+        attempt: i32,
+        sub: Arc<SubRuntime>,
+        shared: Arc<Shared>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Self {
+        Delivery {
+            event,
+            attempt,
+            sub,
+            shared,
+            permit,
+            state: State::Claimed,
+        }
+    }
+
+    /// The event.
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    /// The subscription this delivery belongs to.
+    pub fn subscription(&self) -> &str {
+        &self.sub.name
+    }
+
+    /// Which attempt this is (1 for the first claim; every claim counts).
+    pub fn attempt(&self) -> i32 {
+        self.attempt
+    }
+
+    pub(crate) fn mark_started(&mut self) {
+        if self.state == State::Claimed {
+            self.state = State::Started;
+        }
+    }
+
+    /// Marks the delivery done: it is removed for good.
+    ///
+    /// Returns once the completion is written (batched with others: one statement for
+    /// many deliveries).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease had expired and the delivery was claimed
+    /// again (nothing changed; it will be delivered again), [`Error::Closed`] when the bus
+    /// has stopped, [`Error::Settle`] when it could not be written.
+    pub async fn ack(mut self) -> Result<()> {
+        self.settle(Action::Ack).await
+    }
+
+    /// Records a failed attempt and retries after the subscription's backoff (or the
+    /// delay the error asks for); dead-letters it when the error is permanent or the
+    /// attempts are used up.
+    ///
+    /// # Errors
+    ///
+    /// As [`Delivery::ack`].
+    pub async fn fail(mut self, error: HandlerError) -> Result<()> {
+        let action = self.fail_action(&error);
+        self.settle(action).await
+    }
+
+    /// Records a failed attempt and retries after `delay`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Delivery::ack`].
+    pub async fn retry_in(mut self, delay: Duration) -> Result<()> {
+        self.settle(Action::Fail {
+            error: format!("retry requested in {delay:?}"),
+            delay,
+            permanent: false,
+        })
+        .await
+    }
+
+    /// Gives up: the delivery becomes a dead letter with `reason` in its history.
+    ///
+    /// # Errors
+    ///
+    /// As [`Delivery::ack`].
+    pub async fn dead_letter(mut self, reason: impl std::fmt::Display) -> Result<()> {
+        self.settle(Action::Fail {
+            error: reason.to_string(),
+            delay: Duration::ZERO,
+            permanent: true,
+        })
+        .await
+    }
+
+    pub(crate) fn fail_action(&self, error: &HandlerError) -> Action {
+        Action::Fail {
+            error: error.message().to_string(),
+            delay: error
+                .delay()
+                .unwrap_or_else(|| self.sub.retry.delay(self.attempt)),
+            permanent: error.is_permanent(),
+        }
+    }
+
+    async fn settle(&mut self, action: Action) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.send(action, Some(tx));
+        match rx.await {
+            Ok(Outcome::Applied) => Ok(()),
+            Ok(Outcome::Rejected) => Err(Error::LeaseLost),
+            Ok(Outcome::Failed(reason)) => Err(Error::Settle { reason }),
+            Err(_) => Err(Error::Closed),
+        }
+    }
+
+    /// Hands the settlement to the acker without waiting for it to be written.
+    pub(crate) fn settle_nowait(mut self, action: Action) {
+        self.send(action, None);
+    }
+
+    fn send(&mut self, action: Action, reply: Option<oneshot::Sender<Outcome>>) {
+        if self.state == State::Settled {
+            return;
+        }
+        self.state = State::Settled;
+        let msg = SettleMsg {
+            sub: self.sub.clone(),
+            subscription: self.sub.name.clone(),
+            seq: self.event.seq.unwrap_or_default(),
+            attempt: self.attempt,
+            action,
+            reply,
+            permit: self.permit.take(),
+        };
+        if let Err(mpsc::error::SendError(msg)) = self.shared.settle_tx.send(msg) {
+            // The acker is gone: the caller sees Error::Closed, the lease will expire.
+            msg.release_slot(&self.shared);
+        }
+    }
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        match self.state {
+            State::Settled => {}
+            State::Claimed => self.send(Action::Release, None),
+            State::Started => self.send(
+                Action::Fail {
+                    error: "delivery dropped without being settled".to_string(),
+                    delay: Duration::ZERO,
+                    permanent: false,
+                },
+                None,
+            ),
+        }
+    }
+}
+
+/// A stream of the deliveries of one subscription, for in-process consumers.
+///
+/// Made by [`Bus::subscribe`](crate::Bus::subscribe); it yields deliveries once the bus
+/// is started, and ends when the bus shuts down. At most the subscription's concurrency
+/// (default: the bus's) are claimed and unsettled at once, so a slow consumer holds back
+/// only its own subscription.
+pub struct Subscription {
+    pub(crate) name: Arc<str>,
+    pub(crate) rx: Arc<Mutex<mpsc::UnboundedReceiver<Delivery>>>,
+    pub(crate) stopped: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+}
+
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscription")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Subscription {
+    /// The subscription's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Stream for Subscription {
+    type Item = Delivery;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+        let this = self.get_mut();
+        let mut rx = match this.rx.lock() {
+            Ok(rx) => rx,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if this.stopped.as_mut().poll(cx).is_ready() {
+            // Buffered deliveries are released (dropped unstarted), not handed out.
+            while rx.try_recv().is_ok() {}
+            return Poll::Ready(None);
+        }
+        match rx.poll_recv(cx) {
+            Poll::Ready(Some(mut d)) => {
+                d.mark_started();
+                Poll::Ready(Some(d))
+            }
+            other => other,
+        }
+    }
+}

@@ -1,0 +1,874 @@
+//! The delivery engine against a real PostgreSQL: push delivery, per-subscription
+//! independence, retries, leases, fencing, backpressure and shutdown.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use pgbus::{Bus, Error, Event, HandlerError, RetryPolicy, RunningBus, SubscriptionOptions};
+use serde_json::json;
+use tokio::sync::mpsc;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+async fn wait_listening(bus: &RunningBus) {
+    common::wait_for("the listener to connect", WAIT, || async {
+        bus.is_listening()
+    })
+    .await;
+}
+
+async fn wait_empty(client: &tokio_postgres::Client) {
+    common::wait_for("every delivery to be settled", WAIT, || async {
+        count(client, "SELECT count(*) FROM pgbus.deliveries").await == 0
+    })
+    .await;
+}
+
+/// A handler that sends every event it receives to a channel.
+fn recorder() -> (
+    impl Fn(Event) -> futures::future::Ready<Result<(), HandlerError>> + Send + Sync + 'static,
+    mpsc::UnboundedReceiver<Event>,
+) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let f = move |e: Event| {
+        let _ = tx.send(e);
+        futures::future::ready(Ok(()))
+    };
+    (f, rx)
+}
+
+#[tokio::test]
+async fn handler_and_stream_receive_committed_events_and_never_rolled_back_ones() {
+    let db = common::test_db().await;
+    let mut client = db.connect().await;
+    let (record, mut seen) = recorder();
+    let mut bus = Bus::builder(db.config())
+        .handler_fn("projection", ["order.*"], record)
+        .poll_interval(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let mut stream = bus.subscribe("stream", ["order.*"]).unwrap();
+    let running = bus.start().await.unwrap();
+    wait_listening(&running).await;
+
+    let tx = client.transaction().await.unwrap();
+    pgbus::publish(
+        &tx,
+        &Event::new("order.cancelled", json!({})).id("rolled-back"),
+    )
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    pgbus::publish(
+        &tx,
+        &Event::new("order.placed", json!({"n": 1})).id("committed"),
+    )
+    .await
+    .unwrap();
+    // Not before the commit.
+    assert!(seen.try_recv().is_err());
+    tx.commit().await.unwrap();
+
+    let event = common::within("the handler", WAIT, seen.recv())
+        .await
+        .unwrap();
+    assert_eq!(event.id, "committed");
+    assert_eq!(event.payload, json!({"n": 1}));
+    assert!(event.seq.is_some() && event.created_at.is_some());
+    let delivery = common::within("the stream", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!(delivery.event().id, "committed");
+    assert_eq!(delivery.subscription(), "stream");
+    assert_eq!(delivery.attempt(), 1);
+    delivery.ack().await.unwrap();
+
+    // A later event arrives; the rolled-back one never does.
+    pgbus::publish(&client, &Event::new("order.marker", json!({})).id("marker"))
+        .await
+        .unwrap();
+    let event = common::within("the marker", WAIT, seen.recv())
+        .await
+        .unwrap();
+    assert_eq!(event.id, "marker");
+    let delivery = common::within("the stream marker", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!(delivery.event().id, "marker");
+    delivery.ack().await.unwrap();
+    wait_empty(&client).await;
+    let stats = running.stats();
+    assert_eq!(stats.delivered, 4);
+    assert_eq!(stats.wakeups_by_poll, 0, "{stats:?}");
+    running.shutdown().await.unwrap();
+    assert!(
+        common::within("the stream to end", WAIT, stream.next())
+            .await
+            .is_none()
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pgbus.consumers").await,
+        0
+    );
+}
+
+#[tokio::test]
+async fn each_subscription_succeeds_fails_and_dies_on_its_own() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let flaky_runs = Arc::new(AtomicI32::new(0));
+    let steady_runs = Arc::new(AtomicI32::new(0));
+    let other_runs = Arc::new(AtomicI32::new(0));
+    let (f, s, o) = (flaky_runs.clone(), steady_runs.clone(), other_runs.clone());
+    let running = Bus::builder(db.config())
+        .retry(RetryPolicy::fixed(Duration::from_millis(20)))
+        .handler_fn("flaky", ["order.placed"], move |_| {
+            let n = f.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                if n <= 2 {
+                    Err(HandlerError::new(format!("failure {n}")))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .handler_fn("steady", ["order.*"], move |_| {
+            s.fetch_add(1, Ordering::SeqCst);
+            async { Ok(()) }
+        })
+        .handler_fn("other", ["*"], move |_| {
+            o.fetch_add(1, Ordering::SeqCst);
+            async { Ok(()) }
+        })
+        .handler_fn("doomed", ["order.placed"], |_| async {
+            Err(HandlerError::permanent("cannot ever work"))
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+
+    pgbus::publish(&client, &Event::new("order.placed", json!({})))
+        .await
+        .unwrap();
+    common::wait_for("the flaky handler to succeed", WAIT, || async {
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status <> 'dead'",
+        )
+        .await
+            == 0
+            && flaky_runs.load(Ordering::SeqCst) == 3
+    })
+    .await;
+    assert_eq!(steady_runs.load(Ordering::SeqCst), 1);
+    assert_eq!(other_runs.load(Ordering::SeqCst), 1);
+    let failures: Vec<(String, i32, String)> = client
+        .query(
+            "SELECT subscription, attempt, error FROM pgbus.delivery_failures ORDER BY subscription, attempt",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        failures,
+        vec![
+            ("doomed".to_string(), 1, "cannot ever work".to_string()),
+            ("flaky".to_string(), 1, "failure 1".to_string()),
+            ("flaky".to_string(), 2, "failure 2".to_string()),
+        ]
+    );
+    // The dead letter blocks nobody: later events flow to every subscription.
+    pgbus::publish(&client, &Event::new("order.placed", json!({})))
+        .await
+        .unwrap();
+    common::wait_for("the second event", WAIT, || async {
+        steady_runs.load(Ordering::SeqCst) == 2 && other_runs.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    common::wait_for("two dead letters", WAIT, || async {
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'doomed' AND status = 'dead'",
+        )
+        .await
+            == 2
+    })
+    .await;
+    assert_eq!(running.stats().dead_lettered, 2);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn two_buses_never_claim_each_others_subscriptions() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let g = gate.clone();
+    let (record, mut seen) = recorder();
+    let first = Bus::builder(db.config())
+        .handler_fn("first", ["*"], record)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let second = Bus::builder(db.config())
+        .handler_fn("second", ["*"], move |_| {
+            let g = g.clone();
+            async move {
+                // Holds its deliveries until the test opens the gate.
+                let _p = g.acquire().await.unwrap();
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let events: Vec<Event> = (0..50).map(|i| Event::new("x", json!(i))).collect();
+    pgbus::publish_batch(&client, &events).await.unwrap();
+    for _ in 0..50 {
+        common::within("the first bus", WAIT, seen.recv())
+            .await
+            .unwrap();
+    }
+    common::wait_for("the second bus to claim", WAIT, || async {
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'second' AND status = 'processing'",
+        )
+        .await
+            > 0
+    })
+    .await;
+    let row = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE subscription = 'second' AND locked_by = $1), \
+                    count(*) FILTER (WHERE subscription = 'first') \
+             FROM pgbus.deliveries",
+            &[&first.worker_id()],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, i64>(0),
+        0,
+        "the first bus claimed the second's work"
+    );
+    gate.add_permits(1000);
+    wait_empty(&client).await;
+    assert_eq!(first.stats().delivered, 50);
+    assert_eq!(second.stats().delivered, 50);
+    first.shutdown().await.unwrap();
+    second.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn events_committed_while_the_listener_reconnects_are_caught_up_without_polling() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let (record, mut seen) = recorder();
+    let running = Bus::builder(db.config())
+        .handler_fn("h", ["*"], record)
+        .poll_interval(Duration::from_secs(30))
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    wait_listening(&running).await;
+    pgbus::publish(&client, &Event::new("before", json!({})))
+        .await
+        .unwrap();
+    assert_eq!(
+        common::within("the first event", WAIT, seen.recv())
+            .await
+            .unwrap()
+            .name,
+        "before"
+    );
+
+    // Keep the listener out while an event commits: its notification reaches no one.
+    let db_name = db.name().to_string();
+    let mut maintenance = db.config();
+    maintenance.dbname("postgres");
+    let (admin, connection) = maintenance.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{db_name}\" WITH ALLOW_CONNECTIONS false"
+        ))
+        .await
+        .unwrap();
+    client
+        .batch_execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = 'pgbus listener' AND datname = current_database()",
+        )
+        .await
+        .unwrap();
+    common::wait_for("the listener to notice", WAIT, || async {
+        !running.is_listening()
+    })
+    .await;
+    pgbus::publish(&client, &Event::new("during", json!({})))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{db_name}\" WITH ALLOW_CONNECTIONS true"
+        ))
+        .await
+        .unwrap();
+
+    // Delivered by the catch-up after the reconnect, long before the 30 s poll.
+    let event = common::within("the catch-up", Duration::from_secs(15), seen.recv())
+        .await
+        .unwrap();
+    assert_eq!(event.name, "during");
+    let stats = running.stats();
+    assert!(stats.reconnects >= 1, "{stats:?}");
+    assert_eq!(stats.wakeups_by_poll, 0, "{stats:?}");
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stale_workers_settlement_changes_nothing() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut bus = Bus::builder(db.config())
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let mut stream = bus.subscribe("s", ["*"]).unwrap();
+    let running = bus.start().await.unwrap();
+    pgbus::publish_batch(
+        &client,
+        &[
+            Event::new("a", json!({})).id("a"),
+            Event::new("b", json!({})).id("b"),
+        ],
+    )
+    .await
+    .unwrap();
+    let first = common::within("attempt 1", WAIT, stream.next())
+        .await
+        .unwrap();
+    let second = common::within("attempt 1", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!(first.attempt(), 1);
+
+    // Both leases run out; the reaper returns them and they are claimed again.
+    client
+        .batch_execute("UPDATE pgbus.deliveries SET locked_until = now() - interval '1 second'")
+        .await
+        .unwrap();
+    let again_1 = common::within("attempt 2", WAIT, stream.next())
+        .await
+        .unwrap();
+    let again_2 = common::within("attempt 2", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!((again_1.attempt(), again_2.attempt()), (2, 2));
+
+    // The stale holders of attempt 1 can neither complete nor fail them.
+    assert!(matches!(first.ack().await, Err(Error::LeaseLost)));
+    assert!(matches!(
+        second.fail(HandlerError::new("late")).await,
+        Err(Error::LeaseLost)
+    ));
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'processing' AND attempts = 2"
+        )
+        .await,
+        2
+    );
+    assert_eq!(running.stats().stale_rejected, 2);
+    let history = count(
+        &client,
+        "SELECT count(*) FROM pgbus.delivery_failures WHERE error LIKE 'lease expired%'",
+    )
+    .await;
+    assert_eq!(history, 2);
+    again_1.ack().await.unwrap();
+    again_2.ack().await.unwrap();
+    wait_empty(&client).await;
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_poison_event_that_panics_every_time_is_dead_after_max_attempts() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let (record, mut seen) = recorder();
+    let running = Bus::builder(db.config())
+        .handler_fn_with(
+            "poisoned",
+            ["poison"],
+            SubscriptionOptions::new()
+                .retry(RetryPolicy::fixed(Duration::from_millis(10)).max_attempts(3)),
+            |_| async { panic!("boom") },
+        )
+        .handler_fn("healthy", ["*"], record)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    pgbus::publish(&client, &Event::new("poison", json!({})))
+        .await
+        .unwrap();
+    common::wait_for("the dead letter", WAIT, || async {
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead' AND attempts = 3",
+        )
+        .await
+            == 1
+    })
+    .await;
+    let errors: Vec<String> = client
+        .query(
+            "SELECT error FROM pgbus.delivery_failures WHERE subscription = 'poisoned' ORDER BY attempt",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(errors, vec!["handler panicked: boom"; 3]);
+    // The bus survived its handler's panics.
+    assert_eq!(
+        common::within("the healthy handler", WAIT, seen.recv())
+            .await
+            .unwrap()
+            .name,
+        "poison"
+    );
+    pgbus::publish(&client, &Event::new("later", json!({})))
+        .await
+        .unwrap();
+    assert_eq!(
+        common::within("a later event", WAIT, seen.recv())
+            .await
+            .unwrap()
+            .name,
+        "later"
+    );
+    assert_eq!(running.stats().dead_lettered, 1);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_expired_lease_at_max_attempts_is_dead_lettered_by_the_reaper() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut bus = Bus::builder(db.config())
+        .poll_interval(Duration::from_millis(100))
+        .retry(RetryPolicy::default().max_attempts(1))
+        .build()
+        .unwrap();
+    let mut stream = bus.subscribe("s", ["*"]).unwrap();
+    let running = bus.start().await.unwrap();
+    pgbus::publish(&client, &Event::new("crashy", json!({})))
+        .await
+        .unwrap();
+    // Claimed, and then its worker "crashes" (the lease runs out).
+    let held = common::within("the claim", WAIT, stream.next())
+        .await
+        .unwrap();
+    client
+        .batch_execute("UPDATE pgbus.deliveries SET locked_until = now() - interval '1 second'")
+        .await
+        .unwrap();
+    common::wait_for("the reaper", WAIT, || async {
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    assert!(matches!(
+        held.fail(HandlerError::new("late")).await,
+        Err(Error::LeaseLost)
+    ));
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn retry_after_and_permanent_errors_and_the_next_due_timer() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let attempts: Arc<std::sync::Mutex<Vec<tokio::time::Instant>>> = Default::default();
+    let a = attempts.clone();
+    let permanent_runs = Arc::new(AtomicI32::new(0));
+    let p = permanent_runs.clone();
+    let running = Bus::builder(db.config())
+        .poll_interval(Duration::from_secs(30))
+        .handler_fn("later", ["retry"], move |_| {
+            let mut v = a.lock().unwrap();
+            v.push(tokio::time::Instant::now());
+            let first = v.len() == 1;
+            async move {
+                if first {
+                    Err(HandlerError::retry_after(
+                        "not yet",
+                        Duration::from_millis(300),
+                    ))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .handler_fn("never", ["permanent"], move |_| {
+            p.fetch_add(1, Ordering::SeqCst);
+            async { Err(HandlerError::permanent("bad payload")) }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    wait_listening(&running).await;
+    pgbus::publish_batch(
+        &client,
+        &[
+            Event::new("retry", json!({})),
+            Event::new("permanent", json!({})),
+        ],
+    )
+    .await
+    .unwrap();
+    common::wait_for("the retry", Duration::from_secs(10), || async {
+        attempts.lock().unwrap().len() == 2
+    })
+    .await;
+    let v = attempts.lock().unwrap().clone();
+    let gap = v[1] - v[0];
+    assert!(gap >= Duration::from_millis(250), "retried after {gap:?}");
+    assert!(
+        gap < Duration::from_secs(5),
+        "retried after {gap:?}: waited for the poll?"
+    );
+    common::wait_for("the dead letter", WAIT, || async {
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'never' AND status = 'dead' AND attempts = 1",
+        )
+        .await
+            == 1
+    })
+    .await;
+    assert_eq!(permanent_runs.load(Ordering::SeqCst), 1);
+    wait_for_only_dead(&client).await;
+    assert_eq!(running.stats().wakeups_by_poll, 0);
+    running.shutdown().await.unwrap();
+}
+
+async fn wait_for_only_dead(client: &tokio_postgres::Client) {
+    common::wait_for("only dead letters left", WAIT, || async {
+        count(
+            client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status <> 'dead'",
+        )
+        .await
+            == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn shutdown_with_handlers_in_flight_loses_nothing() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let done: Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let (s, d) = (started.clone(), done.clone());
+    let running = Bus::builder(db.config())
+        .concurrency(4)
+        .handler_fn("slow", ["*"], move |e| {
+            s.fetch_add(1, Ordering::SeqCst);
+            let d = d.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                d.lock().unwrap().push(e.id);
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let events: Vec<Event> = (0..40).map(|i| Event::new("job", json!(i))).collect();
+    pgbus::publish_batch(&client, &events).await.unwrap();
+    common::wait_for("handlers to start", WAIT, || async {
+        started.load(Ordering::SeqCst) >= 4
+    })
+    .await;
+    common::within("shutdown", WAIT, running.shutdown())
+        .await
+        .unwrap();
+
+    // Nothing is left claimed; what was claimed but not started got its attempt back.
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status <> 'pending'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE attempts <> 0"
+        )
+        .await,
+        0
+    );
+    let finished = done.lock().unwrap().len();
+    assert!(
+        finished >= 4,
+        "in-flight handlers were waited for: {finished}"
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pgbus.deliveries").await as usize,
+        40 - finished
+    );
+
+    // A new bus delivers the rest.
+    let d = done.clone();
+    let next = Bus::builder(db.config())
+        .handler_fn("slow", ["*"], move |e| {
+            d.lock().unwrap().push(e.id);
+            async { Ok(()) }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    wait_empty(&client).await;
+    next.shutdown().await.unwrap();
+    let mut ids = done.lock().unwrap().clone();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 40);
+}
+
+#[tokio::test]
+async fn backpressure_claims_no_more_than_concurrency_plus_one_batch() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    pgbus::admin::register_subscription(&client, "work", &["*"], 25)
+        .await
+        .unwrap();
+    let events: Vec<Event> = (0..10_000).map(|i| Event::new("job", json!(i))).collect();
+    pgbus::publish_batch(&client, &events).await.unwrap();
+
+    let running_now = Arc::new(AtomicUsize::new(0));
+    let max_running = Arc::new(AtomicUsize::new(0));
+    let handled = Arc::new(AtomicUsize::new(0));
+    let (r, m, h) = (running_now.clone(), max_running.clone(), handled.clone());
+    let bus = Bus::builder(db.config())
+        .concurrency(4)
+        .batch_size(50)
+        .handler_fn("work", ["*"], move |_| {
+            let now = r.fetch_add(1, Ordering::SeqCst) + 1;
+            m.fetch_max(now, Ordering::SeqCst);
+            let (r, h) = (r.clone(), h.clone());
+            async move {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                r.fetch_sub(1, Ordering::SeqCst);
+                h.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let mut max_claimed = 0;
+    while handled.load(Ordering::SeqCst) < 1_000 {
+        let claimed = count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'processing'",
+        )
+        .await;
+        max_claimed = max_claimed.max(claimed);
+        tokio::time::sleep(Duration::from_millis(2)).await; // sampling period, not a wait
+    }
+    bus.shutdown().await.unwrap();
+    assert!(max_claimed > 0);
+    assert!(max_claimed <= 4 + 50, "claimed {max_claimed} at once");
+    assert!(max_running.load(Ordering::SeqCst) <= 4);
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'processing'"
+        )
+        .await,
+        0
+    );
+}
+
+/// The race of cost-aware notify: publishers stop notifying while the bus is awake;
+/// an event that commits just as it falls asleep must not wait for the poll.
+#[tokio::test]
+async fn no_event_waits_for_the_poll_at_busy_to_idle_transitions() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let seen: Arc<std::sync::Mutex<HashMap<String, tokio::time::Instant>>> = Default::default();
+    let s = seen.clone();
+    let running = Bus::builder(db.config())
+        .poll_interval(Duration::from_secs(30))
+        .handler_fn("h", ["*"], move |e| {
+            s.lock().unwrap().insert(e.id, tokio::time::Instant::now());
+            async { Ok(()) }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    wait_listening(&running).await;
+    let mut trailing = Vec::new();
+    for round in 0..6u64 {
+        // A burst large enough to wake the bus up (it stops being notified)...
+        let burst: Vec<Event> = (0..200).map(|i| Event::new("burst", json!(i))).collect();
+        for chunk in burst.chunks(5) {
+            pgbus::publish_batch(&client, chunk).await.unwrap();
+        }
+        // ...then single events around the moment it falls asleep (~50 ms later).
+        for offset_ms in [0u64, 20, 45, 50, 55, 60, 80] {
+            // A deliberate gap (the scenario), not a wait for a condition.
+            tokio::time::sleep(Duration::from_millis(offset_ms.saturating_sub(round))).await;
+            let id = format!("trail-{round}-{offset_ms}");
+            pgbus::publish(&client, &Event::new("trail", json!({})).id(&id))
+                .await
+                .unwrap();
+            trailing.push((id, tokio::time::Instant::now()));
+        }
+        wait_empty(&client).await;
+    }
+    let seen = seen.lock().unwrap().clone();
+    let mut worst = Duration::ZERO;
+    for (id, committed) in &trailing {
+        let handled = seen.get(id).unwrap_or_else(|| panic!("{id} not handled"));
+        worst = worst.max(handled.saturating_duration_since(*committed));
+    }
+    assert!(
+        worst < Duration::from_secs(2),
+        "worst trailing latency {worst:?}"
+    );
+    assert_eq!(running.stats().wakeups_by_poll, 0);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_bus_statement_prepares_against_the_schema() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    for (name, sql) in pgbus::sql::ALL {
+        client
+            .prepare(sql)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}
+
+#[tokio::test]
+async fn the_claim_uses_its_index_whatever_the_backlog() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    pgbus::admin::register_subscription(&client, "big", &["big.*"], 25)
+        .await
+        .unwrap();
+    pgbus::admin::register_subscription(&client, "small", &["small.*"], 25)
+        .await
+        .unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.events (event_name, payload) \
+             SELECT 'big.x', jsonb_build_object('i', i) FROM generate_series(1, 200000) i; \
+             INSERT INTO pgbus.events (event_name, payload) \
+             SELECT 'small.x', '{}' FROM generate_series(1, 10); \
+             ANALYZE pgbus.deliveries; ANALYZE pgbus.events;",
+        )
+        .await
+        .unwrap();
+    for sub in ["big", "small"] {
+        let names = vec![sub];
+        let quotas = vec![100_i32];
+        let rows = client
+            .query(
+                &format!("EXPLAIN (FORMAT JSON) {}", pgbus::sql::CLAIM),
+                &[&names, &quotas, &100_i64, &60_000_f64, &"w", &4_i64],
+            )
+            .await
+            .unwrap();
+        let plan: serde_json::Value = rows[0].get(0);
+        let mut nodes = Vec::new();
+        plan_nodes(&plan, &mut nodes);
+        assert!(
+            nodes
+                .iter()
+                .any(|(_, _, index)| index == "deliveries_claim_idx"),
+            "{sub}: the claim does not use its index: {nodes:?}"
+        );
+        assert!(
+            !nodes
+                .iter()
+                .any(|(kind, rel, _)| kind == "Seq Scan" && rel == "deliveries"),
+            "{sub}: the claim scans every delivery: {nodes:?}"
+        );
+    }
+}
+
+/// (node type, relation, index) of every node of an EXPLAIN (FORMAT JSON) plan.
+fn plan_nodes(v: &serde_json::Value, out: &mut Vec<(String, String, String)>) {
+    match v {
+        serde_json::Value::Object(map) => {
+            if let Some(kind) = map.get("Node Type").and_then(|k| k.as_str()) {
+                let field = |k: &str| {
+                    map.get(k)
+                        .and_then(|x| x.as_str())
+                        .unwrap_or_default()
+                        .to_string()
+                };
+                out.push((
+                    kind.to_string(),
+                    field("Relation Name"),
+                    field("Index Name"),
+                ));
+            }
+            map.values().for_each(|x| plan_nodes(x, out));
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|x| plan_nodes(x, out)),
+        _ => {}
+    }
+}

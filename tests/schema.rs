@@ -1,0 +1,99 @@
+//! Migrations: idempotent, safe to run concurrently, and checked against drift.
+
+mod common;
+
+/// A description of every pgbus object, to compare schemas.
+async fn describe(client: &tokio_postgres::Client) -> Vec<String> {
+    client
+        .query(
+            "SELECT 'column ' || table_name || '.' || column_name || ' ' || data_type || ' ' || coalesce(column_default, '') \
+               FROM information_schema.columns WHERE table_schema = 'pgbus' \
+             UNION ALL SELECT 'index ' || indexdef FROM pg_indexes WHERE schemaname = 'pgbus' \
+             UNION ALL SELECT 'trigger ' || tgname || ' ' || pg_get_triggerdef(t.oid) FROM pg_trigger t \
+               JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
+               WHERE n.nspname = 'pgbus' AND NOT t.tgisinternal \
+             UNION ALL SELECT 'function ' || p.oid::regprocedure::text || ' ' || md5(p.prosrc) FROM pg_proc p \
+               JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'pgbus' \
+             UNION ALL SELECT 'constraint ' || conname || ' ' || pg_get_constraintdef(oid) FROM pg_constraint \
+               WHERE connamespace = 'pgbus'::regnamespace \
+             UNION ALL SELECT 'migration ' || version || ' ' || name || ' ' || checksum FROM pgbus.schema_migrations \
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[tokio::test]
+async fn migrate_twice_changes_nothing_the_second_time() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    client
+        .batch_execute("DROP SCHEMA pgbus CASCADE")
+        .await
+        .unwrap();
+    assert_eq!(pgbus::schema::schema_version(&client).await.unwrap(), None);
+
+    let applied = pgbus::migrate(&client).await.unwrap();
+    assert_eq!(
+        applied.iter().map(|m| m.version).collect::<Vec<_>>(),
+        pgbus::schema::MIGRATIONS
+            .iter()
+            .map(|m| m.version)
+            .collect::<Vec<_>>()
+    );
+    let first = describe(&client).await;
+    assert!(
+        first
+            .iter()
+            .any(|l| l.starts_with("trigger events_fan_out"))
+    );
+
+    let again = pgbus::migrate(&client).await.unwrap();
+    assert!(again.is_empty(), "{again:?}");
+    assert_eq!(describe(&client).await, first);
+    assert_eq!(
+        pgbus::schema::schema_version(&client).await.unwrap(),
+        Some(pgbus::schema::latest_version())
+    );
+}
+
+#[tokio::test]
+async fn concurrent_migrations_from_two_connections_apply_once() {
+    let db = common::test_db().await;
+    let reference = describe(&db.connect().await).await;
+    let client = db.connect().await;
+    client
+        .batch_execute("DROP SCHEMA pgbus CASCADE")
+        .await
+        .unwrap();
+
+    let a = db.connect().await;
+    let b = db.connect().await;
+    let (ra, rb) = tokio::join!(pgbus::migrate(&a), pgbus::migrate(&b));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(
+        ra.len() + rb.len(),
+        pgbus::schema::MIGRATIONS.len(),
+        "each migration applied by exactly one of them: {ra:?} {rb:?}"
+    );
+    assert_eq!(describe(&client).await, reference);
+}
+
+#[tokio::test]
+async fn a_changed_migration_is_reported_as_drift() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    client
+        .batch_execute("UPDATE pgbus.schema_migrations SET checksum = 'edited' WHERE version = 1")
+        .await
+        .unwrap();
+    let err = pgbus::migrate(&client).await.unwrap_err();
+    assert!(
+        matches!(err, pgbus::Error::MigrationDrift { version: 1 }),
+        "{err:?}"
+    );
+}
