@@ -30,6 +30,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 /// The environment variable that names the directory holding `initdb` and `pg_ctl`,
 /// searched before anything else.
@@ -61,6 +62,9 @@ const SETTINGS_FILE: &str = "pgbus_embedded.conf";
 
 /// How long `pg_ctl` waits for the server to start or stop, in seconds.
 const PG_CTL_TIMEOUT_SECS: &str = "120";
+
+/// How long a start waits for a killed postmaster to be reaped.
+const ZOMBIE_REAP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How many lines of the server log a start failure reports.
 const LOG_TAIL_LINES: usize = 40;
@@ -605,6 +609,7 @@ impl Ctl {
     }
 
     fn start(&self) -> Result<(), EmbeddedError> {
+        self.wait_for_reaped_postmaster();
         let mut cmd = self.command("pg_ctl");
         cmd.arg("-D")
             .arg(&self.data_dir)
@@ -612,6 +617,26 @@ impl Ctl {
             .arg(&self.log_file)
             .args(["-w", "-t", PG_CTL_TIMEOUT_SECS, "start"]);
         self.run(cmd, "pg_ctl start", true)
+    }
+
+    /// A killed postmaster stays a zombie until its parent (init) reaps it, and until
+    /// then PostgreSQL takes its `postmaster.pid` for a live server's and refuses to
+    /// start: wait for the reaping (bounded; the start reports it if it never comes).
+    fn wait_for_reaped_postmaster(&self) {
+        let Ok(text) = fs::read_to_string(self.data_dir.join("postmaster.pid")) else {
+            return;
+        };
+        let Some(pid) = text
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse::<u32>().ok())
+        else {
+            return;
+        };
+        let deadline = Instant::now() + ZOMBIE_REAP_TIMEOUT;
+        while process_state(pid) == Some('Z') && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     fn stop(&self, mode: ShutdownMode) -> Result<(), EmbeddedError> {
@@ -661,16 +686,24 @@ impl PidFile {
 /// Whether `pid` is a running `postgres` process: not some other program that reused the
 /// pid, and not a zombie (a killed postmaster whose parent has not reaped it yet).
 fn process_is_live_postgres(pid: u32) -> bool {
-    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
+    process_stat(pid).is_some_and(|(comm, state)| {
+        comm == "postgres" && !matches!(state, Some('Z' | 'X' | 'x') | None)
+    })
+}
+
+/// The state letter of process `pid` (`R`, `S`, `Z`, ...), if it exists.
+fn process_state(pid: u32) -> Option<char> {
+    process_stat(pid).and_then(|(_, state)| state)
+}
+
+/// The name and state letter of process `pid`, from `/proc/<pid>/stat`.
+fn process_stat(pid: u32) -> Option<(String, Option<char>)> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // `<pid> (<comm>) <state> ...`; the name may itself hold parentheses.
-    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-        return false;
-    };
-    let comm = &stat[open + 1..close];
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let comm = stat.get(open + 1..close)?.to_owned();
     let state = stat[close + 1..].trim_start().chars().next();
-    comm == "postgres" && !matches!(state, Some('Z' | 'X' | 'x') | None)
+    Some((comm, state))
 }
 
 /// A process that stops the server and removes its directory when the process that

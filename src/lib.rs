@@ -31,6 +31,7 @@
 //! ```
 
 pub mod admin;
+pub mod bench;
 mod bus;
 mod claim;
 mod dispatch;

@@ -25,6 +25,8 @@ enum Command {
         after_help = "Example:\n  DATABASE_URL=postgres://postgres@localhost/app pgbus migrate"
     )]
     Migrate,
+    /// Run a benchmark workload and print its figures.
+    Bench(pgbus::bench::BenchArgs),
 }
 
 /// An error that ends the command, with its exit code.
@@ -108,6 +110,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     println!("applied {:04}_{}", m.version, m.name);
                 }
             }
+            Ok(())
+        }
+        Command::Bench(args) => {
+            pgbus::bench::run(args, cli.database_url.as_deref()).await?;
             Ok(())
         }
     }
