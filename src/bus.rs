@@ -714,13 +714,12 @@ impl RunningBus {
         }
         self.acker_stop.cancel();
         let mut result = Ok(());
-        if let Some(a) = self.acker.take() {
-            if tokio::time::timeout(Duration::from_secs(30), a)
+        if let Some(a) = self.acker.take()
+            && tokio::time::timeout(Duration::from_secs(30), a)
                 .await
                 .is_err()
-            {
-                result = Err(Error::Timeout("writing the last settlements"));
-            }
+        {
+            result = Err(Error::Timeout("writing the last settlements"));
         }
         self.background.cancel();
         if let Some(m) = self.maintenance.take() {

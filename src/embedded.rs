@@ -270,14 +270,14 @@ fn binaries_major_version(bin_dir: &Path) -> Option<String> {
 /// The binaries for an existing data directory: `PG_BIN_DIR` if set, else the Debian
 /// directory of the version that made it, else [`find_bin_dir`].
 fn bin_dir_for(data_dir: &Path) -> Result<PathBuf, EmbeddedError> {
-    if env::var_os(PG_BIN_DIR_ENV).is_none_or(|d| d.is_empty()) {
-        if let Ok(version) = fs::read_to_string(data_dir.join("PG_VERSION")) {
-            let dir = Path::new(DEBIAN_PG_LIB_DIR)
-                .join(version.trim())
-                .join("bin");
-            if has_server_tools(&dir) {
-                return Ok(dir);
-            }
+    if env::var_os(PG_BIN_DIR_ENV).is_none_or(|d| d.is_empty())
+        && let Ok(version) = fs::read_to_string(data_dir.join("PG_VERSION"))
+    {
+        let dir = Path::new(DEBIAN_PG_LIB_DIR)
+            .join(version.trim())
+            .join("bin");
+        if has_server_tools(&dir) {
+            return Ok(dir);
         }
     }
     find_bin_dir()
@@ -1132,10 +1132,10 @@ impl Drop for EmbeddedPostgres {
         if self.detached {
             return;
         }
-        if PidFile::read(&self.ctl.data_dir).is_some() {
-            if let Err(e) = self.ctl.stop(ShutdownMode::Immediate) {
-                tracing::warn!(error = %e, "could not stop the embedded postgres");
-            }
+        if PidFile::read(&self.ctl.data_dir).is_some()
+            && let Err(e) = self.ctl.stop(ShutdownMode::Immediate)
+        {
+            tracing::warn!(error = %e, "could not stop the embedded postgres");
         }
         if self.owns_dir {
             let _ = fs::remove_dir_all(&self.ctl.dir);

@@ -106,8 +106,6 @@ fn shared_base() -> Result<PathBuf, String> {
 }
 
 /// Starts the shared cluster, or finds it running.
-// `File::lock` needs Rust 1.89; only the tests use it, the library keeps its MSRV.
-#[allow(clippy::incompatible_msrv)]
 fn shared_cluster() -> Result<EmbeddedPostgres, String> {
     let base = shared_base()?;
     fs::create_dir_all(&base).map_err(|e| format!("creating {}: {e}", base.display()))?;
