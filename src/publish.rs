@@ -103,9 +103,9 @@ impl Default for Publisher {
 /// inserted, so a conflict writes nothing. A conflicting row committed after this
 /// statement's snapshot is caught by ON CONFLICT, whose no-op update makes it visible in
 /// RETURNING; an identical one is left alone and returns nothing (a duplicate).
-const INSERT_HEAD: &str = "WITH t AS (SELECT * FROM ";
+pub(crate) const INSERT_HEAD: &str = "WITH t AS (SELECT * FROM ";
 
-const INSERT_TAIL: &str = "),
+pub(crate) const INSERT_TAIL: &str = "),
 conflict AS (
   SELECT t.id FROM t JOIN pgbus.events AS e ON e.id = t.id
   WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload, e.headers)
@@ -134,7 +134,7 @@ written AS (
 SELECT (SELECT count(*) FROM written WHERE inserted),
        coalesce((SELECT id FROM conflict), (SELECT id FROM written WHERE NOT inserted LIMIT 1))";
 
-const COLUMNS: &str = "t(id, event_name, event_version, source, aggregate_type, aggregate_id, \
+pub(crate) const COLUMNS: &str = "t(id, event_name, event_version, source, aggregate_type, aggregate_id, \
      correlation_id, causation_id, occurred_at, payload, headers, deliver_at, delay_ms)";
 
 /// Parameter types of the single-event statement, in order.
