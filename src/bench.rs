@@ -1,14 +1,206 @@
 //! Benchmark workloads, shared by `pgbus bench` and the criterion benches in `benches/`.
+//!
+//! Each workload runs against `DATABASE_URL` or, when none is given, a throwaway cluster
+//! with PostgreSQL's durable defaults (fsync on, synchronous_commit on), in a database of
+//! its own created for each run (`CREATE DATABASE` + [`migrate`](crate::migrate())) and
+//! dropped after it, so runs never see each other's rows.
+//!
+//! | workload | what it measures |
+//! | --- | --- |
+//! | `latency` | idle bus: commit returned → handler started, and the raw LISTEN/NOTIFY floor |
+//! | `throughput` | draining a backlog with no-op handlers, with one and four subscriptions |
+//! | `publish` | publish rate by batch size, publishers and consumer state, against plain INSERT |
+//! | `mixed` | latency while producers run at a fixed offered rate |
+//! | `memory` | peak RSS of a consumer draining a backlog |
+//! | `batch` | `publish_batch` (unnest) against binary COPY, and the cost of one call |
+//!
+//! Latencies come from an HDR histogram (microsecond resolution) and are reported in
+//! milliseconds; rates in events per second. Every figure is the median of `--runs` runs,
+//! with the runs' values beside it.
 
-use crate::error::Result;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tokio_postgres::{Client, Config, NoTls};
+
+use crate::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use crate::error::{Error, Result};
+
+mod batch;
+mod latency;
+mod memory;
+mod mixed;
+mod publish;
+mod throughput;
+
+pub use batch::{prepare_copy, publish_by_copy, sample_events};
+
+/// The workloads of `pgbus bench`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[non_exhaustive]
+pub enum Workload {
+    /// Idle bus: commit-to-handler latency, and the raw LISTEN/NOTIFY round trip.
+    Latency,
+    /// Drain a backlog with no-op handlers (one and four subscriptions per event).
+    Throughput,
+    /// Publish rate by batch size, concurrent publishers and consumer state.
+    Publish,
+    /// Latency and keeping up at fixed offered rates.
+    Mixed,
+    /// Peak RSS of a consumer draining a large backlog.
+    Memory,
+    /// `publish_batch` (unnest) against binary COPY; the cost of one call.
+    Batch,
+    /// Every workload above, in that order.
+    All,
+}
+
+impl Workload {
+    fn name(self) -> &'static str {
+        match self {
+            Workload::Latency => "latency",
+            Workload::Throughput => "throughput",
+            Workload::Publish => "publish",
+            Workload::Mixed => "mixed",
+            Workload::Memory => "memory",
+            Workload::Batch => "batch",
+            Workload::All => "all",
+        }
+    }
+}
+
+/// The consumer states of the `publish` workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[non_exhaustive]
+pub enum PublishState {
+    /// The notify trigger is disabled: the same schema with notification switched off.
+    Off,
+    /// No consumer is registered: every commit notifies (nobody is known to be awake).
+    None,
+    /// A consumer is registered and asleep, and LISTENs: every commit notifies.
+    Asleep,
+    /// A consumer is registered and awake (draining): no commit notifies.
+    Busy,
+    /// A real bus with a no-op handler runs while the publishers publish.
+    Live,
+}
+
+impl PublishState {
+    fn name(self) -> &'static str {
+        match self {
+            PublishState::Off => "off",
+            PublishState::None => "none",
+            PublishState::Asleep => "asleep",
+            PublishState::Busy => "busy",
+            PublishState::Live => "live",
+        }
+    }
+}
 
 /// Arguments of `pgbus bench`.
 #[derive(Debug, Clone, clap::Args)]
 #[non_exhaustive]
 pub struct BenchArgs {
+    /// The workload to run.
+    #[arg(value_enum, default_value = "all")]
+    pub workload: Workload,
+
     /// Print one JSON object per workload instead of text.
     #[arg(long)]
     pub json: bool,
+
+    /// How many times to run each workload; figures are the median, with every run's
+    /// value beside it.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub runs: u32,
+
+    /// The workloads' own settings.
+    #[command(flatten)]
+    pub knobs: Box<Knobs>,
+
+    /// The bus's own transactions (claims, acknowledgements) with this
+    /// `synchronous_commit`: `on` waits for each one's WAL flush, `off` does not
+    /// (at-least-once delivery allows it: a lost acknowledgement is redelivered).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new(), value_name = "on|off")]
+    pub bus_synchronous_commit: bool,
+
+    /// memory: run as the consumer child process (internal).
+    #[arg(long, hide = true)]
+    pub child: bool,
+}
+
+/// The settings of particular workloads (each names the workloads it applies to).
+#[derive(Debug, Clone, clap::Args)]
+#[non_exhaustive]
+pub struct Knobs {
+    /// latency: events published (one per transaction). mixed: seconds of offered load
+    /// are set by --seconds instead.
+    #[arg(long, default_value_t = 1000)]
+    pub events: u64,
+
+    /// latency: pause between two events, in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    pub interval_ms: u64,
+
+    /// latency: run the bus without a listener (woken by its 1 s poll timer only).
+    #[arg(long)]
+    pub poll_only: bool,
+
+    /// throughput: events pending when the bus starts (default 20,000).
+    /// memory: the backlogs compared (default 20,000 and 1,000,000).
+    #[arg(long, value_delimiter = ',')]
+    pub backlog: Vec<u64>,
+
+    /// throughput: subscriptions per event (default: 1, then 4).
+    #[arg(long, value_delimiter = ',')]
+    pub fan_out: Vec<u32>,
+
+    /// throughput, mixed, memory: deliveries handled at once by the bus.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+
+    /// publish: events per transaction.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 10, 100, 1000])]
+    pub batch: Vec<usize>,
+
+    /// publish: concurrent publishers.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 4, 16, 64])]
+    pub publishers: Vec<usize>,
+
+    /// publish: consumer states (the plain INSERT floor always runs).
+    #[arg(long, value_enum, value_delimiter = ',',
+          default_values_t = [PublishState::Off, PublishState::None, PublishState::Asleep, PublishState::Busy])]
+    pub states: Vec<PublishState>,
+
+    /// publish: measured seconds per cell (after a short warm-up).
+    /// mixed: seconds of offered load per rate. batch: seconds per size and method.
+    #[arg(long)]
+    pub seconds: Option<f64>,
+
+    /// mixed: offered rates, in events per second.
+    #[arg(long, value_delimiter = ',', default_values_t = [1000, 5000])]
+    pub rate: Vec<u64>,
+
+    /// batch: batch sizes compared.
+    #[arg(long, value_delimiter = ',', default_values_t = [10, 100, 10000])]
+    pub sizes: Vec<usize>,
+}
+
+impl BenchArgs {
+    /// Arguments for `workload` with every default, as `pgbus bench <workload>` has them.
+    pub fn new(workload: Workload) -> BenchArgs {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        let mut args = Wrapper::parse_from(["pgbus-bench"]).args;
+        args.workload = workload;
+        args
+    }
 }
 
 /// Runs the workloads `args` names and prints their figures.
@@ -17,6 +209,588 @@ pub struct BenchArgs {
 ///
 /// When PostgreSQL cannot be reached or a workload fails.
 pub async fn run(args: BenchArgs, database_url: Option<&str>) -> Result<()> {
-    let _ = (args, database_url);
+    if args.child {
+        return memory::run_child(&args, database_url).await;
+    }
+    let server = Server::start(database_url).await?;
+    let settings = server.settings().await?;
+    let machine = machine();
+    if !args.json {
+        println!("{}", describe(&machine, &settings));
+        println!(
+            "bus transactions: synchronous_commit={}; {} run(s) per figure: median (every run)",
+            if args.bus_synchronous_commit {
+                "on"
+            } else {
+                "off"
+            },
+            args.runs
+        );
+    }
+    let workloads: &[Workload] = match args.workload {
+        Workload::All => &[
+            Workload::Latency,
+            Workload::Throughput,
+            Workload::Publish,
+            Workload::Mixed,
+            Workload::Memory,
+            Workload::Batch,
+        ],
+        ref one => std::slice::from_ref(one),
+    };
+    for &workload in workloads {
+        let mut reports = Vec::new();
+        match workload {
+            Workload::Latency => {
+                if args.workload == Workload::All {
+                    reports.push(latency::run(&server, &args, false).await?);
+                    reports.push(latency::run(&server, &args, true).await?);
+                } else {
+                    reports.push(latency::run(&server, &args, args.knobs.poll_only).await?);
+                }
+            }
+            Workload::Throughput => reports.push(throughput::run(&server, &args).await?),
+            Workload::Publish => reports.push(publish::run(&server, &args).await?),
+            Workload::Mixed => reports.push(mixed::run(&server, &args).await?),
+            Workload::Memory => reports.push(memory::run(&server, &args).await?),
+            Workload::Batch => reports.push(batch::run(&server, &args).await?),
+            Workload::All => {}
+        }
+        for report in reports {
+            if args.json {
+                let mut object = report.json;
+                object["workload"] = json!(workload.name());
+                object["runs"] = json!(args.runs);
+                object["bus_synchronous_commit"] = json!(args.bus_synchronous_commit);
+                object["settings"] = settings.clone();
+                object["machine"] = machine.clone();
+                println!("{object}");
+            } else {
+                println!("\n== {} ==\n{}", workload.name(), report.text.trim_end());
+            }
+        }
+    }
+    server.stop().await;
     Ok(())
+}
+
+/// A bus builder for `config` with the bench's concurrency and `synchronous_commit`.
+fn bus(config: &Config, args: &BenchArgs) -> crate::BusBuilder {
+    crate::Bus::builder(config.clone())
+        .concurrency(args.knobs.concurrency)
+        .synchronous_commit(args.bus_synchronous_commit)
+}
+
+/// What one workload found: its JSON object and its text.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// The figures, under the field names `pgbus bench --json` prints.
+    pub json: Value,
+    /// The same figures for people.
+    pub text: String,
+}
+
+impl Report {
+    /// A report of several cases: the headline case's figures at the top level, and
+    /// every case under `cases`.
+    fn of_cases(
+        cases: Vec<serde_json::Map<String, Value>>,
+        headline: usize,
+        text: String,
+    ) -> Report {
+        let mut object = cases.get(headline).cloned().unwrap_or_default();
+        object.insert("cases".into(), json!(cases));
+        Report {
+            json: object.into(),
+            text,
+        }
+    }
+}
+
+/// The PostgreSQL server the benchmarks run on: `DATABASE_URL`'s, or a throwaway durable
+/// cluster of their own.
+#[derive(Debug)]
+pub struct Server {
+    admin: Config,
+    embedded: Option<EmbeddedPostgres>,
+}
+
+impl Server {
+    /// Connects to `database_url`, or starts a throwaway cluster with PostgreSQL's
+    /// durable defaults when it is `None` (it is removed when this value is dropped).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a malformed URL or when the cluster cannot be started;
+    /// [`Error::Database`] when the server cannot be reached.
+    pub async fn start(database_url: Option<&str>) -> Result<Server> {
+        let server = match database_url.filter(|u| !u.trim().is_empty()) {
+            Some(url) => {
+                let admin: Config = url
+                    .parse()
+                    .map_err(|e| Error::invalid("database url", format!("{e}")))?;
+                Server {
+                    admin,
+                    embedded: None,
+                }
+            }
+            None => {
+                let pg = EmbeddedPostgres::start(EmbeddedOptions::default().durable(true))
+                    .await
+                    .map_err(|e| Error::invalid("embedded server", e.to_string()))?;
+                Server {
+                    admin: pg.config("postgres"),
+                    embedded: Some(pg),
+                }
+            }
+        };
+        connect(&server.admin).await?;
+        Ok(server)
+    }
+
+    /// Creates a new, migrated database for one run of a workload.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`] when it cannot be created or migrated.
+    pub async fn fresh_database(&self, label: &str) -> Result<BenchDb> {
+        let name = format!(
+            "pgbus_bench_{label}_{}_{:08x}",
+            std::process::id(),
+            fastrand::u32(..)
+        );
+        let admin = connect(&self.admin).await?;
+        admin
+            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+            .await?;
+        let mut config = self.admin.clone();
+        config.dbname(&name);
+        let db = BenchDb {
+            config,
+            admin: self.admin.clone(),
+            name,
+        };
+        crate::migrate(&db.connect().await?).await?;
+        Ok(db)
+    }
+
+    /// The server settings that matter for the figures, as a JSON object.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`] when the server cannot be reached.
+    pub async fn settings(&self) -> Result<Value> {
+        let client = connect(&self.admin).await?;
+        let mut settings = serde_json::Map::new();
+        for name in [
+            "server_version",
+            "fsync",
+            "synchronous_commit",
+            "full_page_writes",
+            "wal_sync_method",
+            "shared_buffers",
+            "wal_level",
+            "max_connections",
+            "commit_delay",
+            "max_wal_size",
+        ] {
+            let row = client
+                .query_one("SELECT current_setting($1)", &[&name])
+                .await?;
+            settings.insert(name.into(), Value::String(row.get(0)));
+        }
+        settings.insert("embedded".into(), Value::Bool(self.embedded.is_some()));
+        Ok(Value::Object(settings))
+    }
+
+    async fn stop(self) {
+        if let Some(pg) = self.embedded {
+            let _ = pg.stop(crate::embedded::ShutdownMode::Fast).await;
+        }
+    }
+}
+
+/// A database made for one run of a workload; [`BenchDb::drop_database`] removes it.
+#[derive(Debug)]
+pub struct BenchDb {
+    /// How to connect to it.
+    pub config: Config,
+    admin: Config,
+    name: String,
+}
+
+impl BenchDb {
+    /// A new connection to this database (its connection task runs on the runtime).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`] when it cannot connect.
+    pub async fn connect(&self) -> Result<Client> {
+        connect(&self.config).await
+    }
+
+    /// A libpq `key=value` connection string for this database.
+    pub fn conninfo(&self) -> String {
+        conninfo(&self.config)
+    }
+
+    /// Drops the database (disconnecting whoever is still connected).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Database`] when the statement fails.
+    pub async fn drop_database(self) -> Result<()> {
+        let admin = connect(&self.admin).await?;
+        admin
+            .batch_execute(&format!(
+                "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
+                self.name
+            ))
+            .await?;
+        Ok(())
+    }
+}
+
+/// Connects with `config` and spawns the connection's task.
+///
+/// # Errors
+///
+/// [`Error::Database`] when it cannot connect.
+pub async fn connect(config: &Config) -> Result<Client> {
+    let (client, connection) = config.connect(NoTls).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(client)
+}
+
+/// A libpq `key=value` string for `config`: hosts, ports, user, password, database.
+fn conninfo(config: &Config) -> String {
+    fn quote(v: &str) -> String {
+        format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
+    }
+    let mut s = String::new();
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            tokio_postgres::config::Host::Tcp(name) => name.clone(),
+            tokio_postgres::config::Host::Unix(path) => path.to_string_lossy().into_owned(),
+        })
+        .collect();
+    if !hosts.is_empty() {
+        let _ = write!(s, "host={} ", quote(&hosts.join(",")));
+    }
+    let ports: Vec<String> = config.get_ports().iter().map(u16::to_string).collect();
+    if !ports.is_empty() {
+        let _ = write!(s, "port={} ", ports.join(","));
+    }
+    if let Some(user) = config.get_user() {
+        let _ = write!(s, "user={} ", quote(user));
+    }
+    if let Some(password) = config.get_password() {
+        let _ = write!(s, "password={} ", quote(&String::from_utf8_lossy(password)));
+    }
+    if let Some(db) = config.get_dbname() {
+        let _ = write!(s, "dbname={}", quote(db));
+    }
+    s.trim_end().to_string()
+}
+
+/// The machine: cores, memory, CPU model and load at start, as a JSON object.
+pub fn machine() -> Value {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_kb = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        .unwrap_or_default();
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ");
+    json!({
+        "cores": cores,
+        "memory_gib": (mem_kb as f64 / 1024.0 / 1024.0 * 10.0).round() / 10.0,
+        "cpu": cpu,
+        "load_at_start": load,
+    })
+}
+
+fn describe(machine: &Value, settings: &Value) -> String {
+    let s = |k: &str| settings[k].as_str().unwrap_or("?").to_string();
+    format!(
+        "machine: {} cores, {} GiB, {} (load {})\n\
+         postgres {} ({}): fsync={} synchronous_commit={} full_page_writes={} \
+         wal_sync_method={} shared_buffers={} wal_level={} max_connections={}",
+        machine["cores"],
+        machine["memory_gib"],
+        machine["cpu"].as_str().unwrap_or("?"),
+        machine["load_at_start"].as_str().unwrap_or("?"),
+        s("server_version"),
+        if settings["embedded"].as_bool() == Some(true) {
+            "throwaway cluster"
+        } else {
+            "DATABASE_URL"
+        },
+        s("fsync"),
+        s("synchronous_commit"),
+        s("full_page_writes"),
+        s("wal_sync_method"),
+        s("shared_buffers"),
+        s("wal_level"),
+        s("max_connections"),
+    )
+}
+
+/// A latency histogram in microseconds, from 1 µs to 10 minutes.
+pub fn histogram() -> hdrhistogram::Histogram<u64> {
+    hdrhistogram::Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
+}
+
+/// Records `d` in `h` (in microseconds, clamped to the histogram's range).
+pub fn record(h: &mut hdrhistogram::Histogram<u64>, d: Duration) {
+    h.saturating_record((d.as_micros() as u64).max(1));
+}
+
+/// p50, p90, p99 and max of `h`, in milliseconds.
+pub fn percentiles(h: &hdrhistogram::Histogram<u64>) -> [f64; 4] {
+    let ms = |us: u64| us as f64 / 1000.0;
+    [
+        ms(h.value_at_quantile(0.50)),
+        ms(h.value_at_quantile(0.90)),
+        ms(h.value_at_quantile(0.99)),
+        ms(h.max()),
+    ]
+}
+
+/// The names of [`percentiles`]' figures in JSON.
+pub const PERCENTILE_FIELDS: [&str; 4] = ["p50_ms", "p90_ms", "p99_ms", "max_ms"];
+
+/// The median of `values` (the mean of the middle two for an even count).
+pub fn median(values: &[f64]) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    }
+}
+
+/// Rounds for printing: 3 significant digits below 100, whole numbers above.
+fn round(x: f64) -> f64 {
+    if !x.is_finite() {
+        return x;
+    }
+    if x.abs() >= 100.0 {
+        x.round()
+    } else if x.abs() >= 1.0 {
+        (x * 100.0).round() / 100.0
+    } else {
+        (x * 1000.0).round() / 1000.0
+    }
+}
+
+/// Figures of several runs: each named value, in run order.
+#[derive(Debug, Default, Clone)]
+struct Runs {
+    values: Vec<(String, Vec<f64>)>,
+}
+
+impl Runs {
+    fn push(&mut self, name: &str, value: f64) {
+        match self.values.iter_mut().find(|(n, _)| n == name) {
+            Some((_, v)) => v.push(value),
+            None => self.values.push((name.to_string(), vec![value])),
+        }
+    }
+
+    fn push_percentiles(&mut self, prefix: &str, h: &hdrhistogram::Histogram<u64>) {
+        for (field, value) in PERCENTILE_FIELDS.iter().zip(percentiles(h)) {
+            self.push(&format!("{prefix}{field}"), value);
+        }
+    }
+
+    fn median(&self, name: &str) -> f64 {
+        self.values
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(f64::NAN, |(_, v)| median(v))
+    }
+
+    fn all(&self, name: &str) -> Vec<f64> {
+        self.values
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.iter().copied().map(round).collect())
+            .unwrap_or_default()
+    }
+
+    /// `{name: median, name_runs: [..]}` for every value whose name starts with `prefix`
+    /// (the prefix removed).
+    fn json(&self, prefix: &str) -> serde_json::Map<String, Value> {
+        let mut m = serde_json::Map::new();
+        for (name, _) in &self.values {
+            if let Some(short) = name.strip_prefix(prefix) {
+                m.insert(short.to_string(), json!(round(self.median(name))));
+                m.insert(format!("{short}_runs"), json!(self.all(name)));
+            }
+        }
+        m
+    }
+
+    /// "median (runs a, b, c)".
+    fn show(&self, name: &str) -> String {
+        let runs = self.all(name);
+        let runs: Vec<String> = runs.iter().map(|v| fmt_num(*v)).collect();
+        if runs.len() > 1 {
+            format!(
+                "{} (runs {})",
+                fmt_num(round(self.median(name))),
+                runs.join(", ")
+            )
+        } else {
+            fmt_num(round(self.median(name)))
+        }
+    }
+
+    /// "p50 a / p90 b / p99 c / max d ms" of the medians.
+    fn show_latency(&self, prefix: &str) -> String {
+        let v: Vec<String> = PERCENTILE_FIELDS
+            .iter()
+            .map(|f| fmt_num(round(self.median(&format!("{prefix}{f}")))))
+            .collect();
+        format!(
+            "p50 {} / p90 {} / p99 {} / max {} ms",
+            v[0], v[1], v[2], v[3]
+        )
+    }
+}
+
+fn fmt_num(v: f64) -> String {
+    if v.is_finite() && v.fract() == 0.0 && v.abs() >= 1000.0 {
+        // Thousands separators for rates.
+        let s = format!("{}", v as i64);
+        let mut out = String::new();
+        for (i, c) in s.chars().enumerate() {
+            if i > 0 && (s.len() - i) % 3 == 0 && c != '-' {
+                out.push(',');
+            }
+            out.push(c);
+        }
+        out
+    } else {
+        format!("{v}")
+    }
+}
+
+/// Polls `done` every millisecond until it holds or `deadline` passes.
+async fn wait_until(deadline: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while !done() {
+        if start.elapsed() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    true
+}
+
+/// Registers subscription `name` for `patterns` and seeds `events` pending events named
+/// `event_name` with plain SQL (in chunks, so each statement stays small), then vacuums
+/// and analyzes the tables so the planner knows their size, and checkpoints (where
+/// allowed) so the seeding's dirty pages are not written during the measurement.
+///
+/// # Errors
+///
+/// [`Error::Database`] when a statement fails.
+pub async fn seed_backlog(
+    client: &Client,
+    subscriptions: &[String],
+    event_name: &str,
+    events: u64,
+) -> Result<()> {
+    for name in subscriptions {
+        crate::admin::register_subscription(client, name, &[event_name], 25).await?;
+    }
+    let chunk = 100_000u64;
+    let mut from = 1u64;
+    while from <= events {
+        let to = (from + chunk - 1).min(events);
+        client
+            .execute(
+                "INSERT INTO pgbus.events (event_name, payload) \
+                 SELECT $1, jsonb_build_object('i', g, 'kind', 'bench') \
+                 FROM generate_series($2::int8, $3::int8) AS g",
+                &[&event_name, &(from as i64), &(to as i64)],
+            )
+            .await?;
+        from = to + 1;
+    }
+    settle_tables(client).await
+}
+
+/// Vacuums and analyzes the pgbus tables, then checkpoints where allowed.
+async fn settle_tables(client: &Client) -> Result<()> {
+    client
+        .batch_execute("VACUUM (ANALYZE) pgbus.deliveries")
+        .await?;
+    client
+        .batch_execute("VACUUM (ANALYZE) pgbus.events")
+        .await?;
+    // CHECKPOINT needs superuser or pg_checkpoint; without it the figures are noisier.
+    let _ = client.batch_execute("CHECKPOINT").await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn defaults_match_the_documented_ones() {
+        let args = BenchArgs::new(Workload::Publish);
+        assert_eq!(args.runs, 3);
+        assert_eq!(args.knobs.batch, [1, 10, 100, 1000]);
+        assert_eq!(args.knobs.publishers, [1, 4, 16, 64]);
+        assert_eq!(args.knobs.rate, [1000, 5000]);
+    }
+
+    #[test]
+    fn conninfo_quotes_values() {
+        let config: Config = "host=/tmp/x port=5433 user=postgres dbname=a'b"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            conninfo(&config),
+            "host='/tmp/x' port=5433 user='postgres' dbname='a\\'b'"
+        );
+    }
+
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(fmt_num(12345.0), "12,345");
+        assert_eq!(fmt_num(0.41), "0.41");
+    }
 }

@@ -138,7 +138,7 @@ pub(crate) const COLUMNS: &str = "t(id, event_name, event_version, source, aggre
      correlation_id, causation_id, occurred_at, payload, headers, deliver_at, delay_ms)";
 
 /// Parameter types of the single-event statement, in order.
-const ONE_TYPES: [Type; 13] = [
+pub(crate) const ONE_TYPES: [Type; 13] = [
     Type::TEXT,
     Type::TEXT,
     Type::INT4,

@@ -1,0 +1,135 @@
+//! `throughput`: a backlog already pending, drained by one bus with no-op handlers;
+//! events per second from the bus's start to the last acknowledgement committed. With a
+//! fan-out of 4, every event has four subscriptions and four deliveries.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::{BenchArgs, Report, Runs, Server, seed_backlog};
+use crate::error::{Error, Result};
+
+/// The default backlog.
+const DEFAULT_BACKLOG: u64 = 20_000;
+/// The first deliveries timed on their own: the rate while nearly the whole backlog is
+/// still pending.
+const FIRST: u64 = 20_000;
+
+pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
+    let backlogs = if args.knobs.backlog.is_empty() {
+        vec![DEFAULT_BACKLOG]
+    } else {
+        args.knobs.backlog.clone()
+    };
+    let fan_outs = if args.knobs.fan_out.is_empty() {
+        vec![1, 4]
+    } else {
+        args.knobs.fan_out.clone()
+    };
+    let mut cases = Vec::new();
+    let mut text = String::new();
+    for &backlog in &backlogs {
+        for &fan_out in &fan_outs {
+            let mut runs = Runs::default();
+            for _ in 0..args.runs {
+                let r = drain(server, backlog, fan_out, args).await?;
+                runs.push("events_per_s", r.events_per_s);
+                runs.push("deliveries_per_s", r.deliveries_per_s);
+                runs.push("seconds", r.seconds);
+                if let Some(first) = r.first_per_s {
+                    runs.push("first_deliveries_per_s", first);
+                }
+            }
+            let mut case = runs.json("");
+            case.insert("backlog".into(), json!(backlog));
+            case.insert("fan_out".into(), json!(fan_out));
+            case.insert("concurrency".into(), json!(args.knobs.concurrency));
+            text.push_str(&format!(
+                "backlog {backlog}, {fan_out} subscription(s) per event, concurrency {}: \
+                 {} deliveries/s ({} events/s; {} s)\n",
+                args.knobs.concurrency,
+                runs.show("deliveries_per_s"),
+                runs.show("events_per_s"),
+                runs.show("seconds"),
+            ));
+            if backlog > FIRST * fan_out as u64 {
+                text.push_str(&format!(
+                    "  the first {FIRST} deliveries (nearly all the backlog still pending): {} deliveries/s\n",
+                    runs.show("first_deliveries_per_s")
+                ));
+            }
+            cases.push(case);
+        }
+    }
+    Ok(Report::of_cases(cases, 0, text))
+}
+
+/// One drain's figures.
+#[derive(Debug)]
+pub(crate) struct Drain {
+    pub(crate) seconds: f64,
+    pub(crate) events_per_s: f64,
+    pub(crate) deliveries_per_s: f64,
+    /// The rate of the first [`FIRST`] deliveries, when the backlog is larger.
+    pub(crate) first_per_s: Option<f64>,
+}
+
+/// Seeds `backlog` events with `fan_out` subscriptions each in a fresh database, then
+/// times a bus with no-op handlers draining them.
+pub(crate) async fn drain(
+    server: &Server,
+    backlog: u64,
+    fan_out: u32,
+    args: &BenchArgs,
+) -> Result<Drain> {
+    let db = server.fresh_database("throughput").await?;
+    let result = async {
+        let client = db.connect().await?;
+        let subs: Vec<String> = (0..fan_out).map(|k| format!("bench-drain-{k}")).collect();
+        seed_backlog(&client, &subs, "bench.drain", backlog).await?;
+        let total = backlog * fan_out as u64;
+        let mut builder = super::bus(&db.config, args);
+        for name in &subs {
+            builder = builder.handler_fn(name, ["bench.drain"], |_event| async { Ok(()) });
+        }
+        let bus = builder.build()?;
+        let started = Instant::now();
+        let running = bus.start().await?;
+        let mut first = None;
+        let deadline = Duration::from_secs(600) + Duration::from_millis(total);
+        loop {
+            let delivered = running.stats().delivered;
+            if first.is_none() && delivered >= FIRST && total > FIRST {
+                first = Some(started.elapsed());
+            }
+            if delivered >= total {
+                break;
+            }
+            if started.elapsed() > deadline {
+                return Err(Error::Timeout("draining the backlog"));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        running.shutdown().await?;
+        let left: i64 = client
+            .query_one("SELECT count(*) FROM pgbus.deliveries", &[])
+            .await?
+            .get(0);
+        if left != 0 {
+            return Err(Error::invalid(
+                "bench",
+                format!("{left} deliveries left after the drain"),
+            ));
+        }
+        Ok(Drain {
+            seconds: elapsed,
+            events_per_s: backlog as f64 / elapsed,
+            deliveries_per_s: total as f64 / elapsed,
+            first_per_s: first.map(|d| FIRST as f64 / d.as_secs_f64()),
+        })
+    }
+    .await;
+    db.drop_database().await?;
+    result
+}
