@@ -1,12 +1,44 @@
-//! Operating the bus: registering subscriptions, and (later) status, dead letters,
-//! replay and the retention sweep.
+//! Operating the bus: subscriptions, status, dead letters, replay and the retention
+//! sweep. The `pgbus` command line is a thin layer over these functions.
+//!
+//! Every function here is one statement (except [`sweep`], one statement per batch), so
+//! each works on any [`Executor`]: given a client, the statement is its own transaction;
+//! given a transaction, it joins it and commits or rolls back with it (the transactional
+//! twin). Every value is sent as a parameter. The statements are documented in
+//! [`sql`](mod@crate::sql).
+//!
+//! ```no_run
+//! # async fn example(client: &tokio_postgres::Client) -> Result<(), pgbus::Error> {
+//! use pgbus::admin::{self, DeadLetterFilter};
+//!
+//! for sub in admin::status(client).await?.subscriptions {
+//!     println!("{}: {} pending, {} dead", sub.name, sub.pending, sub.dead);
+//! }
+//! let retried = admin::retry_dead_letters(client, &DeadLetterFilter::all()).await?;
+//! println!("{retried} dead letters back to pending");
+//! # Ok(()) }
+//! ```
 
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
 use crate::event::{validate_name, validate_pattern};
 use crate::publish::Executor;
+use crate::sql;
 use tokio_postgres::GenericClient;
+
+/// Default retention of the log: 7 days. Events older than this that no delivery refers
+/// to are deleted by the sweep.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Default number of events one sweep batch deletes: 1,000.
+pub const DEFAULT_SWEEP_BATCH: i32 = 1000;
+
+/// The advisory lock that keeps sweeps from running in two processes at once.
+const SWEEP_LOCK_KEY: i64 = 0x7067_6275_735f_7377; // "pgbus_sw"
 
 /// Checks a subscription's name and patterns the way the schema's CHECK constraints do.
 ///
@@ -67,4 +99,505 @@ pub async fn register_subscription<C: Executor + ?Sized, S: AsRef<str>>(
         )
         .await?;
     Ok(())
+}
+
+/// One subscription's state, from [`status`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct SubscriptionStatus {
+    /// The subscription's name.
+    pub name: String,
+    /// Its patterns.
+    pub patterns: Vec<String>,
+    /// Its maximum attempts.
+    pub max_attempts: i32,
+    /// Deliveries waiting: due now, or retries scheduled later.
+    pub pending: i64,
+    /// Pending deliveries that are due now.
+    pub due: i64,
+    /// Deliveries claimed by a worker and not yet settled.
+    pub processing: i64,
+    /// Dead letters.
+    pub dead: i64,
+    /// How long the oldest due delivery has been due (the lag); `None` when none is due.
+    pub oldest_due_age: Option<Duration>,
+    /// Events published in the last minute that matched this subscription and whose
+    /// delivery is finished (completed, or purged). Completed deliveries are deleted, so
+    /// this is read from the log: a retry or replay of an older event is not counted.
+    pub done_last_minute: i64,
+    /// Live consumers (running buses) serving this subscription.
+    pub consumers: i64,
+}
+
+/// The bus's state, from [`status`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Status {
+    /// Every subscription, by name.
+    pub subscriptions: Vec<SubscriptionStatus>,
+    /// How full PostgreSQL's notification queue is, from 0 to 1
+    /// (`pg_notification_queue_usage()`); near 1, a listener has stopped reading.
+    pub notification_queue_usage: f64,
+    /// Backends of this database named `pgbus listener` in `pg_stat_activity`.
+    pub listeners: i64,
+    /// Live consumers (running buses) in `pgbus.consumers`.
+    pub consumers: i64,
+    /// Live consumers that are asleep (publishers notify them).
+    pub sleeping_consumers: i64,
+}
+
+/// Reads the state of every subscription and of the notification machinery.
+///
+/// Counting reads every delivery (O(backlog)); it is meant for operators, not for a hot
+/// path.
+///
+/// # Errors
+///
+/// [`Error::SchemaMissing`] when the database was never migrated, [`Error::Database`]
+/// when a statement fails.
+pub async fn status<C: Executor + ?Sized>(client: &C) -> Result<Status> {
+    let client = client.client();
+    let subscriptions = subscription_statuses(client, None).await?;
+    let row = client.query_one(sql::STATUS_CLUSTER, &[]).await?;
+    Ok(Status {
+        subscriptions,
+        notification_queue_usage: row.try_get(0)?,
+        listeners: row.try_get(1)?,
+        consumers: row.try_get(2)?,
+        sleeping_consumers: row.try_get(3)?,
+    })
+}
+
+/// The state of one subscription (see [`status`]).
+///
+/// # Errors
+///
+/// [`Error::UnknownSubscription`] when there is none of this name; otherwise as
+/// [`status`].
+pub async fn subscription_status<C: Executor + ?Sized>(
+    client: &C,
+    name: &str,
+) -> Result<SubscriptionStatus> {
+    subscription_statuses(client.client(), Some(name))
+        .await?
+        .pop()
+        .ok_or_else(|| Error::UnknownSubscription {
+            name: name.to_string(),
+        })
+}
+
+async fn subscription_statuses<C: GenericClient>(
+    client: &C,
+    name: Option<&str>,
+) -> Result<Vec<SubscriptionStatus>> {
+    let rows = client.query(sql::STATUS_SUBSCRIPTIONS, &[&name]).await?;
+    rows.iter()
+        .map(|row| {
+            Ok(SubscriptionStatus {
+                name: row.try_get(0)?,
+                patterns: row.try_get(1)?,
+                max_attempts: row.try_get(2)?,
+                pending: row.try_get(3)?,
+                due: row.try_get(4)?,
+                processing: row.try_get(5)?,
+                dead: row.try_get(6)?,
+                oldest_due_age: row
+                    .try_get::<_, Option<f64>>(7)?
+                    .map(|s| Duration::from_secs_f64(s.max(0.0))),
+                done_last_minute: row.try_get(8)?,
+                consumers: row.try_get(9)?,
+            })
+        })
+        .collect()
+}
+
+/// Fails with [`Error::UnknownSubscription`] unless a subscription of this name exists.
+///
+/// # Errors
+///
+/// [`Error::UnknownSubscription`], or [`Error::Database`] when the statement fails.
+pub async fn require_subscription<C: Executor + ?Sized>(client: &C, name: &str) -> Result<()> {
+    let exists: bool = client
+        .client()
+        .query_one(sql::SUBSCRIPTION_EXISTS, &[&name])
+        .await?
+        .try_get(0)?;
+    if exists {
+        Ok(())
+    } else {
+        Err(Error::UnknownSubscription {
+            name: name.to_string(),
+        })
+    }
+}
+
+/// Which dead letters an operation applies to: all of them, or those of one
+/// subscription, or of one event, or both.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetterFilter {
+    /// Only this subscription's (default: every subscription's).
+    pub subscription: Option<String>,
+    /// Only this event's, by event id (default: every event's).
+    pub event_id: Option<String>,
+}
+
+impl DeadLetterFilter {
+    /// Every dead letter.
+    pub fn all() -> Self {
+        DeadLetterFilter::default()
+    }
+
+    /// Only the dead letters of `subscription`.
+    pub fn subscription(mut self, subscription: impl Into<String>) -> Self {
+        self.subscription = Some(subscription.into());
+        self
+    }
+
+    /// Only the dead letters of the event with this id.
+    pub fn event_id(mut self, id: impl Into<String>) -> Self {
+        self.event_id = Some(id.into());
+        self
+    }
+
+    async fn check<C: Executor + ?Sized>(&self, client: &C) -> Result<()> {
+        match &self.subscription {
+            Some(name) => require_subscription(client, name).await,
+            None => Ok(()),
+        }
+    }
+}
+
+/// A delivery that ran out of attempts or failed permanently, from [`dead_letters`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// The subscription.
+    pub subscription: String,
+    /// The event's position in the log.
+    pub event_seq: i64,
+    /// The event's id (`None` if the event is no longer in the log).
+    pub event_id: Option<String>,
+    /// The event's name (`None` if the event is no longer in the log).
+    pub event_name: Option<String>,
+    /// Attempts made.
+    pub attempts: i32,
+    /// The error of the last attempt.
+    pub last_error: Option<String>,
+    /// When the last attempt failed (`None` when its history was purged).
+    pub failed_at: Option<DateTime<Utc>>,
+}
+
+/// Lists dead letters, oldest event first, at most `limit`.
+///
+/// # Errors
+///
+/// [`Error::UnknownSubscription`] when the filter names a subscription that does not
+/// exist; [`Error::Database`] when a statement fails.
+pub async fn dead_letters<C: Executor + ?Sized>(
+    client: &C,
+    filter: &DeadLetterFilter,
+    limit: i64,
+) -> Result<Vec<DeadLetter>> {
+    filter.check(client).await?;
+    let rows = client
+        .client()
+        .query(
+            sql::DEAD_LIST,
+            &[&filter.subscription, &filter.event_id, &limit],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(DeadLetter {
+                subscription: row.try_get(0)?,
+                event_seq: row.try_get(1)?,
+                event_id: row.try_get(2)?,
+                event_name: row.try_get(3)?,
+                attempts: row.try_get(4)?,
+                last_error: row.try_get(5)?,
+                failed_at: row.try_get(6)?,
+            })
+        })
+        .collect()
+}
+
+/// Counts dead letters.
+///
+/// # Errors
+///
+/// As [`dead_letters`].
+pub async fn count_dead_letters<C: Executor + ?Sized>(
+    client: &C,
+    filter: &DeadLetterFilter,
+) -> Result<i64> {
+    filter.check(client).await?;
+    let row = client
+        .client()
+        .query_one(sql::DEAD_COUNT, &[&filter.subscription, &filter.event_id])
+        .await?;
+    Ok(row.try_get(0)?)
+}
+
+/// Puts dead letters back to pending, due now, with their attempts reset to 0; their
+/// failure history is kept. Wakes the listening buses. Returns how many were retried.
+///
+/// # Errors
+///
+/// As [`dead_letters`].
+pub async fn retry_dead_letters<C: Executor + ?Sized>(
+    client: &C,
+    filter: &DeadLetterFilter,
+) -> Result<u64> {
+    filter.check(client).await?;
+    let row = client
+        .client()
+        .query_one(sql::DEAD_RETRY, &[&filter.subscription, &filter.event_id])
+        .await?;
+    Ok(row.try_get::<_, i64>(0)? as u64)
+}
+
+/// What [`purge_dead_letters`] deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Purged {
+    /// Dead letters deleted.
+    pub dead_letters: u64,
+    /// Rows of their failure history deleted.
+    pub failures: u64,
+}
+
+/// Deletes dead letters for good, with their failure history. The events stay in the log
+/// until the retention sweep.
+///
+/// # Errors
+///
+/// As [`dead_letters`].
+pub async fn purge_dead_letters<C: Executor + ?Sized>(
+    client: &C,
+    filter: &DeadLetterFilter,
+) -> Result<Purged> {
+    filter.check(client).await?;
+    let row = client
+        .client()
+        .query_one(sql::DEAD_PURGE, &[&filter.subscription, &filter.event_id])
+        .await?;
+    Ok(Purged {
+        dead_letters: row.try_get::<_, i64>(0)? as u64,
+        failures: row.try_get::<_, i64>(1)? as u64,
+    })
+}
+
+/// What [`replay`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Replayed {
+    /// Events in the range that the subscription (and the pattern, if any) matches.
+    pub matched: u64,
+    /// Deliveries created: the matched events the subscription had no delivery of.
+    pub created: u64,
+}
+
+/// Delivers again, to one subscription, the events still in the log that were published
+/// in `[since, until)` (by `created_at`) and match the subscription's patterns, and
+/// `pattern` too when given. Events the subscription still has a delivery of (pending,
+/// processing or dead) are skipped. Wakes the listening buses.
+///
+/// One statement: replaying millions of events is one long transaction.
+///
+/// # Errors
+///
+/// [`Error::Invalid`] for a bad pattern, [`Error::UnknownSubscription`] when there is no
+/// such subscription, [`Error::Database`] when the statement fails.
+pub async fn replay<C: Executor + ?Sized>(
+    client: &C,
+    subscription: &str,
+    since: DateTime<Utc>,
+    until: Option<DateTime<Utc>>,
+    pattern: Option<&str>,
+) -> Result<Replayed> {
+    if let Some(p) = pattern {
+        validate_pattern(p)?;
+    }
+    let row = client
+        .client()
+        .query_one(sql::REPLAY, &[&subscription, &since, &until, &pattern])
+        .await?;
+    if !row.try_get::<_, bool>(0)? {
+        return Err(Error::UnknownSubscription {
+            name: subscription.to_string(),
+        });
+    }
+    Ok(Replayed {
+        matched: row.try_get::<_, i64>(1)? as u64,
+        created: row.try_get::<_, i64>(2)? as u64,
+    })
+}
+
+/// A registered subscription, from [`subscriptions`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SubscriptionInfo {
+    /// The name.
+    pub name: String,
+    /// The patterns.
+    pub patterns: Vec<String>,
+    /// Its maximum attempts.
+    pub max_attempts: i32,
+    /// When it was first registered.
+    pub created_at: DateTime<Utc>,
+    /// When its patterns or maximum attempts last changed.
+    pub updated_at: DateTime<Utc>,
+    /// Live consumers (running buses) serving it.
+    pub consumers: i64,
+}
+
+/// Lists the registered subscriptions, by name.
+///
+/// # Errors
+///
+/// [`Error::SchemaMissing`] when the database was never migrated, [`Error::Database`]
+/// when the statement fails.
+pub async fn subscriptions<C: Executor + ?Sized>(client: &C) -> Result<Vec<SubscriptionInfo>> {
+    let rows = client.client().query(sql::SUBSCRIPTIONS_LIST, &[]).await?;
+    rows.iter()
+        .map(|row| {
+            Ok(SubscriptionInfo {
+                name: row.try_get(0)?,
+                patterns: row.try_get(1)?,
+                max_attempts: row.try_get(2)?,
+                created_at: row.try_get(3)?,
+                updated_at: row.try_get(4)?,
+                consumers: row.try_get(5)?,
+            })
+        })
+        .collect()
+}
+
+/// What [`drop_subscription`] deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Dropped {
+    /// Deliveries deleted (pending, processing and dead).
+    pub deliveries: u64,
+    /// Rows of failure history deleted.
+    pub failures: u64,
+}
+
+/// Drops a subscription with all its deliveries and their failure history. Its events
+/// stay in the log (other subscriptions may need them; the sweep deletes them later).
+///
+/// Refuses while deliveries of it are processing, unless `force`: a worker holding one
+/// then finds its settlement rejected. A bus still running with this subscription
+/// registers it again when it restarts; stop its consumers first. A publish that commits
+/// while the drop runs can still leave deliveries under the name; dropping again removes
+/// them.
+///
+/// # Errors
+///
+/// [`Error::UnknownSubscription`] when nothing is known under the name,
+/// [`Error::SubscriptionBusy`] when deliveries are processing and `force` is false
+/// (nothing is deleted), [`Error::Database`] when the statement fails.
+pub async fn drop_subscription<C: Executor + ?Sized>(
+    client: &C,
+    name: &str,
+    force: bool,
+) -> Result<Dropped> {
+    let row = client
+        .client()
+        .query_one(sql::SUBSCRIPTION_DROP, &[&name, &force])
+        .await?;
+    if !row.try_get::<_, bool>(0)? {
+        return Err(Error::UnknownSubscription {
+            name: name.to_string(),
+        });
+    }
+    if !row.try_get::<_, bool>(2)? {
+        return Err(Error::SubscriptionBusy {
+            name: name.to_string(),
+            processing: row.try_get(1)?,
+        });
+    }
+    Ok(Dropped {
+        deliveries: row.try_get::<_, i64>(3)? as u64,
+        failures: row.try_get::<_, i64>(4)? as u64,
+    })
+}
+
+/// What a retention sweep did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Swept {
+    /// Events deleted from the log.
+    pub events: u64,
+    /// Rows of failure history deleted with them.
+    pub failures: u64,
+    /// Batches run (statements that deleted something, plus the last one).
+    pub batches: u64,
+    /// Another process was sweeping, so this one stopped.
+    pub busy: bool,
+}
+
+fn retention_millis(retention: Duration) -> Result<i64> {
+    if retention.is_zero() {
+        return Err(Error::invalid("retention", "must be positive"));
+    }
+    i64::try_from(retention.as_millis()).map_err(|_| Error::invalid("retention", "is too long"))
+}
+
+/// One batch of the retention sweep: deletes at most `batch` events created more than
+/// `retention` ago that no delivery refers to, oldest first, with their failure history.
+///
+/// At most one sweep batch runs at a time across every process (a transaction-scoped
+/// advisory lock); when another holds it, this one deletes nothing and reports `busy`.
+/// The bus runs this periodically (see [`BusBuilder::retention`](crate::BusBuilder::retention)).
+///
+/// # Errors
+///
+/// [`Error::Invalid`] for a zero retention or batch, [`Error::Database`] when the
+/// statement fails.
+pub async fn sweep_batch<C: Executor + ?Sized>(
+    client: &C,
+    retention: Duration,
+    batch: i32,
+) -> Result<Swept> {
+    let retention_ms = retention_millis(retention)?;
+    if batch < 1 {
+        return Err(Error::invalid("sweep batch", "must be at least 1"));
+    }
+    let row = client
+        .client()
+        .query_one(sql::SWEEP, &[&retention_ms, &batch, &SWEEP_LOCK_KEY])
+        .await?;
+    Ok(Swept {
+        busy: !row.try_get::<_, bool>(0)?,
+        events: row.try_get::<_, i64>(1)? as u64,
+        failures: row.try_get::<_, i64>(2)? as u64,
+        batches: 1,
+    })
+}
+
+/// The whole retention sweep: runs [`sweep_batch`] until a batch comes back short (or
+/// another process is sweeping). Given a client, each batch commits on its own, so locks
+/// are held briefly; given a transaction, everything commits with it.
+///
+/// # Errors
+///
+/// As [`sweep_batch`]; batches already committed stay committed.
+pub async fn sweep<C: Executor + ?Sized>(
+    client: &C,
+    retention: Duration,
+    batch: i32,
+) -> Result<Swept> {
+    let mut total = Swept::default();
+    loop {
+        let one = sweep_batch(client, retention, batch).await?;
+        total.events += one.events;
+        total.failures += one.failures;
+        total.batches += 1;
+        total.busy = one.busy;
+        if one.busy || one.events < batch as u64 {
+            return Ok(total);
+        }
+    }
 }

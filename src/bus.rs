@@ -41,6 +41,12 @@ pub const DEFAULT_POOL_SIZE: usize = 4;
 /// Default `statement_timeout` of the bus's own statements: 30 s.
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Default retention of the log: 7 days (see [`BusBuilder::retention`]).
+pub const DEFAULT_RETENTION: Duration = crate::admin::DEFAULT_RETENTION;
+/// How often a bus runs the retention sweep (one batch, then more batches on the
+/// following poll ticks while batches come back full).
+const SWEEP_INTERVAL: Duration = Duration::from_secs(3600);
+
 /// How long a bus's row in `pgbus.consumers` stays live without a heartbeat.
 pub(crate) const CONSUMER_TTL: Duration = Duration::from_secs(30);
 /// How often the bus renews it.
@@ -60,6 +66,7 @@ pub(crate) struct Options {
     pub(crate) statement_timeout: Duration,
     pub(crate) retry: RetryPolicy,
     pub(crate) synchronous_commit: bool,
+    pub(crate) retention: Option<Duration>,
 }
 
 /// Counters of a running bus, read with [`RunningBus::stats`].
@@ -252,6 +259,7 @@ impl Bus {
                 statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
                 retry: RetryPolicy::default(),
                 synchronous_commit: true,
+                retention: Some(DEFAULT_RETENTION),
             },
             handlers: Vec::new(),
         }
@@ -590,6 +598,16 @@ impl BusBuilder {
         self
     }
 
+    /// Sets how long events stay in the log once no delivery needs them (default
+    /// [`DEFAULT_RETENTION`], 7 days): the window for idempotent publishing and replay.
+    /// The bus sweeps older events hourly, one bounded batch at a time, at most one
+    /// process at a time across all buses (see [`admin::sweep_batch`](crate::admin::sweep_batch)).
+    /// `None` or zero: this bus never sweeps.
+    pub fn retention(mut self, retention: Option<Duration>) -> Self {
+        self.opts.retention = retention.filter(|r| !r.is_zero());
+        self
+    }
+
     /// Checks the configuration. Does no I/O.
     ///
     /// # Errors
@@ -842,8 +860,11 @@ async fn run_dispatcher(shared: Arc<Shared>, mut claims: ClaimStream) {
     }
 }
 
-/// The reaper, the lease heartbeat and the consumer heartbeat.
+/// The reaper, the lease heartbeat, the consumer heartbeat and the retention sweep.
 async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
+    // The first sweep runs on the first tick; then hourly, or on the next tick while
+    // batches come back full. One batch per tick keeps the other duties on time.
+    let mut next_sweep = tokio::time::Instant::now();
     let mut reap = tokio::time::interval(shared.opts.poll_interval);
     let mut extend = tokio::time::interval(shared.opts.lease / 3);
     let mut heartbeat = tokio::time::interval(CONSUMER_HEARTBEAT);
@@ -864,6 +885,11 @@ async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
                     if pending > 0 {
                         shared.wake.notify_one();
                     }
+                    if let Some(retention) = shared.opts.retention
+                        && tokio::time::Instant::now() >= next_sweep
+                    {
+                        next_sweep = sweep_once(&shared, retention).await;
+                    }
                 }
                 Err(e) => tracing::debug!(error = %e, "pgbus reaper failed"),
             },
@@ -873,6 +899,39 @@ async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
             _ = heartbeat.tick() => if let Err(e) = claim::consumer_heartbeat(&shared).await {
                 tracing::debug!(error = %e, "pgbus consumer heartbeat failed");
             },
+        }
+    }
+}
+
+/// Runs one retention sweep batch; returns when the next one is due.
+async fn sweep_once(shared: &Shared, retention: Duration) -> tokio::time::Instant {
+    let later = tokio::time::Instant::now() + SWEEP_INTERVAL;
+    let batch = crate::admin::DEFAULT_SWEEP_BATCH;
+    let client = match shared.pool.get().await {
+        Ok(client) => client,
+        Err(e) => {
+            tracing::debug!(error = %e, "pgbus sweep could not get a connection");
+            return later;
+        }
+    };
+    match crate::admin::sweep_batch(&client, retention, batch).await {
+        Ok(swept) => {
+            if swept.events > 0 {
+                tracing::info!(
+                    events = swept.events,
+                    failures = swept.failures,
+                    "pgbus swept events past retention"
+                );
+            }
+            if swept.events >= batch as u64 {
+                tokio::time::Instant::now()
+            } else {
+                later
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "pgbus retention sweep failed");
+            later
         }
     }
 }

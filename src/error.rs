@@ -63,6 +63,21 @@ pub enum Error {
     /// The bus has shut down.
     #[error("the bus has shut down")]
     Closed,
+    /// No subscription has this name.
+    #[error("unknown subscription {name:?}")]
+    UnknownSubscription {
+        /// The name asked for.
+        name: String,
+    },
+    /// The subscription has deliveries being processed, so it was not dropped (pass
+    /// `force` to drop it anyway).
+    #[error("subscription {name:?} has {processing} deliveries processing")]
+    SubscriptionBusy {
+        /// The subscription.
+        name: String,
+        /// How many of its deliveries are processing.
+        processing: i64,
+    },
 }
 
 impl Error {

@@ -204,6 +204,240 @@ pub const CONSUMER_SLEEP: &str = "UPDATE pgbus.consumers SET awake = false WHERE
 /// Removes this bus from `pgbus.consumers` at shutdown. Parameter: `$1 text` worker id.
 pub const CONSUMER_REMOVE: &str = "DELETE FROM pgbus.consumers WHERE id = $1";
 
+// ---- Operating the bus (crate::admin) ----
+
+/// Status of each subscription (or of one: `$1 text`, NULL for all).
+///
+/// Columns: name, patterns, max_attempts; pending, due now, processing and dead
+/// deliveries; the seconds since the oldest due delivery became due (NULL when none is
+/// due); the events published in the last minute that matched and whose delivery is
+/// finished (completed, or purged); live consumers serving it.
+///
+/// The counts read every delivery of the subscription (O(backlog)); the last-minute count
+/// reads the last minute of the log through `events_created_at_idx`. Completed deliveries
+/// are deleted, so the log is the only cheap record of them: a retry or replay of an older
+/// event that completes in the last minute is not counted.
+pub const STATUS_SUBSCRIPTIONS: &str = "\
+SELECT s.name, s.patterns, s.max_attempts,
+       coalesce(c.pending, 0), coalesce(c.due, 0), coalesce(c.processing, 0),
+       coalesce(c.dead, 0),
+       extract(epoch FROM now() - c.oldest_due)::float8,
+       (SELECT count(*) FROM pgbus.events AS e
+         WHERE e.created_at > now() - interval '1 minute'
+           AND e.created_at >= s.created_at
+           AND e.available_at <= now()
+           AND EXISTS (SELECT 1 FROM unnest(s.patterns) AS p
+                       WHERE pgbus.pattern_matches(p, e.event_name))
+           AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
+                           WHERE d.subscription = s.name AND d.event_seq = e.seq)),
+       (SELECT count(*) FROM pgbus.consumers AS k
+         WHERE k.expires_at > now() AND s.name = ANY (k.subscriptions))
+FROM pgbus.subscriptions AS s
+LEFT JOIN LATERAL (
+  SELECT count(*) FILTER (WHERE d.status = 'pending') AS pending,
+         count(*) FILTER (WHERE d.status = 'pending' AND d.available_at <= now()) AS due,
+         count(*) FILTER (WHERE d.status = 'processing') AS processing,
+         count(*) FILTER (WHERE d.status = 'dead') AS dead,
+         min(d.available_at) FILTER (WHERE d.status = 'pending' AND d.available_at <= now())
+           AS oldest_due
+  FROM pgbus.deliveries AS d WHERE d.subscription = s.name
+) AS c ON true
+WHERE $1::text IS NULL OR s.name = $1
+ORDER BY s.name";
+
+/// Cluster-wide status: the notification queue usage (0 to 1), the backends of this
+/// database named `pgbus listener` in `pg_stat_activity`, live consumers, and how many
+/// of them are asleep (publishers notify them).
+pub const STATUS_CLUSTER: &str = "\
+SELECT pg_notification_queue_usage(),
+       (SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND application_name = 'pgbus listener'),
+       (SELECT count(*) FROM pgbus.consumers WHERE expires_at > now()),
+       (SELECT count(*) FROM pgbus.consumers WHERE expires_at > now() AND NOT awake)";
+
+/// Whether a subscription exists. Parameter: `$1 text` name.
+pub const SUBSCRIPTION_EXISTS: &str =
+    "SELECT EXISTS (SELECT 1 FROM pgbus.subscriptions WHERE name = $1::text)";
+
+/// Dead letters, oldest event first. Parameters: `$1 text` subscription (NULL: all),
+/// `$2 text` event id (NULL: all), `$3 int8` the most rows to return.
+///
+/// Columns: subscription, event seq, event id, event name (NULL if the event is gone),
+/// attempts, last error, time of the last failed attempt (from the history).
+pub const DEAD_LIST: &str = "\
+SELECT d.subscription, d.event_seq, e.id, e.event_name, d.attempts, d.last_error, f.failed_at
+FROM pgbus.deliveries AS d
+LEFT JOIN pgbus.events AS e ON e.seq = d.event_seq
+LEFT JOIN LATERAL (
+  SELECT max(h.failed_at) AS failed_at FROM pgbus.delivery_failures AS h
+  WHERE h.subscription = d.subscription AND h.event_seq = d.event_seq
+) AS f ON true
+WHERE d.status = 'dead'
+  AND ($1::text IS NULL OR d.subscription = $1)
+  AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
+ORDER BY d.event_seq, d.subscription
+LIMIT $3::int8";
+
+/// Counts dead letters. Parameters as [`DEAD_LIST`] without the limit.
+pub const DEAD_COUNT: &str = "\
+SELECT count(*) FROM pgbus.deliveries AS d
+WHERE d.status = 'dead'
+  AND ($1::text IS NULL OR d.subscription = $1)
+  AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))";
+
+/// Puts dead letters back to pending, due now, with their attempts reset to 0 and no
+/// lease; their failure history is kept. Notifies the listening buses when any was
+/// retried. Parameters as [`DEAD_COUNT`]. Returns one row: how many were retried.
+pub const DEAD_RETRY: &str = "\
+WITH retried AS (
+  UPDATE pgbus.deliveries AS d
+  SET status = 'pending', attempts = 0, available_at = now(), locked_until = NULL,
+      locked_by = NULL
+  WHERE d.status = 'dead'
+    AND ($1::text IS NULL OR d.subscription = $1)
+    AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
+  RETURNING 1
+),
+wake AS (
+  SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM retried LIMIT 1) AS x
+)
+SELECT (SELECT count(*) FROM retried), (SELECT count(*) FROM wake)";
+
+/// Deletes dead letters and their failure history. Parameters as [`DEAD_COUNT`].
+/// Returns one row: deliveries deleted, history rows deleted.
+pub const DEAD_PURGE: &str = "\
+WITH purged AS (
+  DELETE FROM pgbus.deliveries AS d
+  WHERE d.status = 'dead'
+    AND ($1::text IS NULL OR d.subscription = $1)
+    AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
+  RETURNING d.subscription, d.event_seq
+),
+history AS (
+  DELETE FROM pgbus.delivery_failures AS f
+  USING purged AS p
+  WHERE f.subscription = p.subscription AND f.event_seq = p.event_seq
+  RETURNING 1
+)
+SELECT (SELECT count(*) FROM purged), (SELECT count(*) FROM history)";
+
+/// Creates deliveries of a subscription for events still in the log.
+///
+/// Parameters: `$1 text` subscription, `$2 timestamptz` events created at or after,
+/// `$3 timestamptz` and before (NULL: no bound), `$4 text` a pattern the events must also
+/// match (NULL: only the subscription's own patterns).
+///
+/// Events the subscription already has a delivery of are skipped (`ON CONFLICT DO
+/// NOTHING`). The events are locked `FOR KEY SHARE`, so the retention sweep cannot delete
+/// one under a new delivery. Notifies the listening buses when anything was created.
+/// Returns one row: whether the subscription exists, events matched, deliveries created.
+pub const REPLAY: &str = "\
+WITH sub AS (
+  SELECT name, patterns FROM pgbus.subscriptions WHERE name = $1::text
+),
+matched AS (
+  SELECT e.seq, e.available_at FROM pgbus.events AS e CROSS JOIN sub
+  WHERE e.created_at >= $2::timestamptz
+    AND ($3::timestamptz IS NULL OR e.created_at < $3)
+    AND EXISTS (SELECT 1 FROM unnest(sub.patterns) AS p
+                WHERE pgbus.pattern_matches(p, e.event_name))
+    AND ($4::text IS NULL OR pgbus.pattern_matches($4, e.event_name))
+  FOR KEY SHARE OF e
+),
+created AS (
+  INSERT INTO pgbus.deliveries (subscription, event_seq, available_at)
+  SELECT $1, m.seq, greatest(m.available_at, now()) FROM matched AS m
+  ON CONFLICT (subscription, event_seq) DO NOTHING
+  RETURNING 1
+),
+wake AS (
+  SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM created LIMIT 1) AS x
+)
+SELECT EXISTS (SELECT 1 FROM sub), (SELECT count(*) FROM matched),
+       (SELECT count(*) FROM created), (SELECT count(*) FROM wake)";
+
+/// Every subscription: name, patterns, max_attempts, created_at, updated_at, and the
+/// live consumers serving it.
+pub const SUBSCRIPTIONS_LIST: &str = "\
+SELECT s.name, s.patterns, s.max_attempts, s.created_at, s.updated_at,
+       (SELECT count(*) FROM pgbus.consumers AS k
+         WHERE k.expires_at > now() AND s.name = ANY (k.subscriptions))
+FROM pgbus.subscriptions AS s
+ORDER BY s.name";
+
+/// Drops a subscription with its deliveries and their failure history, unless some of
+/// its deliveries are processing and `$2 bool` (force) is false. Parameter `$1 text`:
+/// the name.
+///
+/// It also removes deliveries left under the name without a subscription row (a publish
+/// that committed while an earlier drop ran). Returns one row: whether anything was
+/// known under the name, deliveries processing, whether it was dropped, deliveries
+/// deleted, history rows deleted.
+pub const SUBSCRIPTION_DROP: &str = "\
+WITH sub AS (
+  SELECT name FROM pgbus.subscriptions WHERE name = $1::text FOR UPDATE
+),
+known AS (
+  SELECT EXISTS (SELECT 1 FROM sub)
+      OR EXISTS (SELECT 1 FROM pgbus.deliveries WHERE subscription = $1) AS known
+),
+busy AS (
+  SELECT count(*) AS n FROM pgbus.deliveries WHERE subscription = $1 AND status = 'processing'
+),
+go AS (
+  SELECT 1 FROM known, busy WHERE known.known AND ($2::bool OR busy.n = 0)
+),
+deliveries AS (
+  DELETE FROM pgbus.deliveries AS d
+  WHERE d.subscription = $1 AND EXISTS (SELECT 1 FROM go)
+  RETURNING 1
+),
+failures AS (
+  DELETE FROM pgbus.delivery_failures AS f
+  WHERE f.subscription = $1 AND EXISTS (SELECT 1 FROM go)
+  RETURNING 1
+),
+dropped AS (
+  DELETE FROM pgbus.subscriptions AS s
+  WHERE s.name = $1 AND EXISTS (SELECT 1 FROM go)
+  RETURNING 1
+)
+SELECT (SELECT known FROM known), (SELECT n FROM busy), EXISTS (SELECT 1 FROM go),
+       (SELECT count(*) FROM deliveries), (SELECT count(*) FROM failures)";
+
+/// One batch of the retention sweep: deletes events created before `now() - $1 int8`
+/// milliseconds that no delivery refers to, at most `$2 int4` of them, oldest first,
+/// with their failure history.
+///
+/// Runs only when it gets the transaction-scoped advisory lock `$3 int8`, so at most one
+/// sweep runs at a time across all processes; the events are taken `FOR UPDATE SKIP
+/// LOCKED`. Returns one row: whether it got the lock, events deleted, history rows
+/// deleted.
+pub const SWEEP: &str = "\
+WITH lock AS (
+  SELECT pg_try_advisory_xact_lock($3::int8) AS got
+),
+doomed AS (
+  SELECT e.seq FROM pgbus.events AS e
+  WHERE (SELECT got FROM lock)
+    AND e.created_at < now() - $1::int8 * interval '1 millisecond'
+    AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d WHERE d.event_seq = e.seq)
+  ORDER BY e.created_at
+  LIMIT $2::int4
+  FOR UPDATE OF e SKIP LOCKED
+),
+failures AS (
+  DELETE FROM pgbus.delivery_failures AS f
+  USING doomed, pgbus.subscriptions AS s
+  WHERE f.subscription = s.name AND f.event_seq = doomed.seq
+  RETURNING 1
+),
+swept AS (
+  DELETE FROM pgbus.events AS e USING doomed WHERE e.seq = doomed.seq
+  RETURNING 1
+)
+SELECT (SELECT got FROM lock), (SELECT count(*) FROM swept), (SELECT count(*) FROM failures)";
+
 /// Every statement above, by name.
 pub const ALL: &[(&str, &str)] = &[
     ("CLAIM", CLAIM),
@@ -213,4 +447,15 @@ pub const ALL: &[(&str, &str)] = &[
     ("CONSUMER_HEARTBEAT", CONSUMER_HEARTBEAT),
     ("CONSUMER_SLEEP", CONSUMER_SLEEP),
     ("CONSUMER_REMOVE", CONSUMER_REMOVE),
+    ("STATUS_SUBSCRIPTIONS", STATUS_SUBSCRIPTIONS),
+    ("STATUS_CLUSTER", STATUS_CLUSTER),
+    ("SUBSCRIPTION_EXISTS", SUBSCRIPTION_EXISTS),
+    ("DEAD_LIST", DEAD_LIST),
+    ("DEAD_COUNT", DEAD_COUNT),
+    ("DEAD_RETRY", DEAD_RETRY),
+    ("DEAD_PURGE", DEAD_PURGE),
+    ("REPLAY", REPLAY),
+    ("SUBSCRIPTIONS_LIST", SUBSCRIPTIONS_LIST),
+    ("SUBSCRIPTION_DROP", SUBSCRIPTION_DROP),
+    ("SWEEP", SWEEP),
 ];

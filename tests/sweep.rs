@@ -1,0 +1,114 @@
+//! The retention sweep run by the bus, and its one-at-a-time lock.
+
+mod common;
+
+use std::time::Duration;
+
+use pgbus::Bus;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+#[tokio::test]
+async fn the_bus_sweeps_events_past_its_retention() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.events (id, event_name, created_at) VALUES \
+               ('old', 'a.b', now() - interval '2 days'), ('new', 'a.b', now())",
+        )
+        .await
+        .unwrap();
+    let running = Bus::builder(db.config())
+        .handler_fn("h", ["x.*"], |_| async { Ok(()) })
+        .retention(Some(Duration::from_secs(86_400)))
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    common::wait_for("the old event to be swept", WAIT, || async {
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.events WHERE id = 'old'",
+        )
+        .await
+            == 0
+    })
+    .await;
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.events WHERE id = 'new'"
+        )
+        .await,
+        1
+    );
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_bus_without_retention_never_sweeps() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.events (id, event_name, created_at) \
+             VALUES ('old', 'a.b', now() - interval '30 days')",
+        )
+        .await
+        .unwrap();
+    let running = Bus::builder(db.config())
+        .handler_fn("h", ["x.*"], |_| async { Ok(()) })
+        .retention(None)
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    // Several maintenance ticks pass: their reaps are visible as statements run.
+    let reaps = running.stats().claims;
+    common::wait_for("a few poll ticks", WAIT, || async {
+        running.stats().claims >= reaps + 3
+    })
+    .await;
+    running.shutdown().await.unwrap();
+    assert_eq!(count(&client, "SELECT count(*) FROM pgbus.events").await, 1);
+}
+
+#[tokio::test]
+async fn only_one_sweep_runs_at_a_time() {
+    let db = common::test_db().await;
+    let mut holder = db.connect().await;
+    let client = db.connect().await;
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.events (event_name, created_at) \
+             SELECT 'a.b', now() - interval '30 days' FROM generate_series(1, 5)",
+        )
+        .await
+        .unwrap();
+    // Another sweep is in its transaction: this one deletes nothing and says so.
+    let tx = holder.transaction().await.unwrap();
+    let held = pgbus::admin::sweep_batch(&tx, Duration::from_secs(60), 2)
+        .await
+        .unwrap();
+    assert_eq!((held.events, held.busy), (2, false));
+    let busy = pgbus::admin::sweep(&client, Duration::from_secs(60), 2)
+        .await
+        .unwrap();
+    assert!(busy.busy);
+    assert_eq!(busy.events, 0);
+    tx.commit().await.unwrap();
+    let rest = pgbus::admin::sweep(&client, Duration::from_secs(60), 2)
+        .await
+        .unwrap();
+    assert_eq!((rest.events, rest.batches, rest.busy), (3, 2, false));
+    assert_eq!(count(&client, "SELECT count(*) FROM pgbus.events").await, 0);
+}
