@@ -1,12 +1,28 @@
 //! The `pgbus` command line.
 
+mod cli;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use cli::Failure;
+
 /// pgbus: a transactional outbox and push-driven event bus on PostgreSQL.
 #[derive(Debug, Parser)]
-#[command(name = "pgbus", version, about, long_about = None)]
+#[command(
+    name = "pgbus",
+    version,
+    about,
+    long_about = None,
+    after_help = "\
+Every command takes --database-url or DATABASE_URL (postgres://user:password@host/db, or
+libpq key=value pairs). Exit codes: 0 success, 1 failure, 2 bad usage or input (nothing
+was done).
+
+New here? `pgbus demo` runs the bus on a throwaway PostgreSQL and shows it working.
+Logs: PGBUS_LOG=info (or debug, or pgbus=debug), on standard error."
+)]
 struct Cli {
     /// The database to use, as a URL (postgres://user@host/db) or key=value pairs.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
@@ -25,80 +41,33 @@ enum Command {
         after_help = "Example:\n  DATABASE_URL=postgres://postgres@localhost/app pgbus migrate"
     )]
     Migrate,
+    /// Publish an event (or many, one JSON document per line of standard input).
+    Publish(cli::publish::PublishArgs),
+    /// Deliver a subscription's events to standard output or to a command, until stopped.
+    Consume(cli::consume::ConsumeArgs),
+    /// Show each subscription's backlog, lag, dead letters and consumers.
+    Status(cli::status::StatusArgs),
+    /// List, retry or purge dead letters.
+    #[command(subcommand)]
+    Dead(cli::admin::DeadCommand),
+    /// Deliver events still in the log to a subscription again.
+    Replay(cli::admin::ReplayArgs),
+    /// List or drop subscriptions.
+    #[command(subcommand)]
+    Subscriptions(cli::admin::SubscriptionsCommand),
+    /// Delete events past the retention that no delivery needs.
+    Sweep(cli::admin::SweepArgs),
+    /// Run producers and handlers on a throwaway PostgreSQL, with a live view.
+    Demo(cli::demo::DemoArgs),
     /// Run a benchmark workload and print its figures.
     Bench(pgbus::bench::BenchArgs),
 }
 
-/// An error that ends the command, with its exit code.
-struct Failure {
-    message: String,
-    code: u8,
-}
-
-impl From<pgbus::Error> for Failure {
-    fn from(e: pgbus::Error) -> Self {
-        let mut message = format!("error: {e}");
-        if let Some(db) = e.as_db_error() {
-            message = format!("error: {} (SQLSTATE {})", db.message(), db.code().code());
-            if let Some(detail) = db.detail() {
-                message.push_str(&format!("\ndetail: {detail}"));
-            }
-            if let Some(hint) = db.hint() {
-                message.push_str(&format!("\nhint: {hint}"));
-            }
-        }
-        Failure { message, code: 1 }
-    }
-}
-
-impl From<tokio_postgres::Error> for Failure {
-    fn from(e: tokio_postgres::Error) -> Self {
-        pgbus::Error::from(e).into()
-    }
-}
-
-fn usage(message: impl Into<String>) -> Failure {
-    Failure {
-        message: message.into(),
-        code: 2,
-    }
-}
-
-fn database_config(url: Option<&str>) -> Result<tokio_postgres::Config, Failure> {
-    let url = url.ok_or_else(|| {
-        usage("error: DATABASE_URL is not set (pass --database-url or set DATABASE_URL)")
-    })?;
-    let mut config: tokio_postgres::Config = url
-        .parse()
-        .map_err(|e| usage(format!("error: DATABASE_URL is malformed: {e}")))?;
-    if config.get_application_name().is_none() {
-        config.application_name("pgbus cli");
-    }
-    Ok(config)
-}
-
-async fn connect(config: &tokio_postgres::Config) -> Result<tokio_postgres::Client, Failure> {
-    let (client, connection) =
-        config
-            .connect(tokio_postgres::NoTls)
-            .await
-            .map_err(|e| Failure {
-                message: format!("error: could not connect to the database: {e}"),
-                code: 1,
-            })?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "connection closed");
-        }
-    });
-    Ok(client)
-}
-
 async fn run(cli: Cli) -> Result<(), Failure> {
+    let url = cli.database_url.as_deref();
     match cli.command {
         Command::Migrate => {
-            let config = database_config(cli.database_url.as_deref())?;
-            let client = connect(&config).await?;
+            let client = cli::connect_url(url).await?;
             let applied = pgbus::migrate(&client).await?;
             if applied.is_empty() {
                 println!(
@@ -112,6 +81,14 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             }
             Ok(())
         }
+        Command::Publish(args) => cli::publish::run(args, url).await,
+        Command::Consume(args) => cli::consume::run(args, url).await,
+        Command::Status(args) => cli::status::run(args, url).await,
+        Command::Dead(command) => cli::admin::dead(command, url).await,
+        Command::Replay(args) => cli::admin::replay(args, url).await,
+        Command::Subscriptions(command) => cli::admin::subscriptions(command, url).await,
+        Command::Sweep(args) => cli::admin::sweep(args, url).await,
+        Command::Demo(args) => cli::demo::run(args, url).await,
         Command::Bench(args) => {
             pgbus::bench::run(args, cli.database_url.as_deref()).await?;
             Ok(())
@@ -138,7 +115,10 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match runtime.block_on(run(cli)) {
+    let result = runtime.block_on(run(cli));
+    // Tasks still blocked (a connection, a command's output) must not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
             eprintln!("{}", f.message);

@@ -1,0 +1,347 @@
+//! The commands of the `pgbus` binary, one module each, and what they share: the
+//! database connection, errors and exit codes, durations and times, and output.
+
+pub(crate) mod admin;
+pub(crate) mod consume;
+pub(crate) mod demo;
+pub(crate) mod publish;
+pub(crate) mod status;
+
+use std::time::Duration;
+
+use chrono::{DateTime, NaiveDate, Utc};
+
+/// An error that ends the command, with its exit code: 2 for bad usage or input (nothing
+/// was done), 1 for everything else.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) message: String,
+    pub(crate) code: u8,
+}
+
+impl From<pgbus::Error> for Failure {
+    fn from(e: pgbus::Error) -> Self {
+        let code = match e {
+            pgbus::Error::Invalid { .. } => 2,
+            _ => 1,
+        };
+        let mut message = format!("error: {}", with_sources(&e));
+        if let (false, Some(db)) = (matches!(e, pgbus::Error::SchemaMissing(_)), e.as_db_error()) {
+            message = format!("error: {} (SQLSTATE {})", db.message(), db.code().code());
+            if let Some(detail) = db.detail() {
+                message.push_str(&format!("\ndetail: {detail}"));
+            }
+            if let Some(hint) = db.hint() {
+                message.push_str(&format!("\nhint: {hint}"));
+            }
+        }
+        Failure { message, code }
+    }
+}
+
+impl From<tokio_postgres::Error> for Failure {
+    fn from(e: tokio_postgres::Error) -> Self {
+        pgbus::Error::from(e).into()
+    }
+}
+
+/// An error's message followed by its sources' (tokio-postgres puts the reason, e.g.
+/// "Connection refused", in the source), without repeating one already included.
+pub(crate) fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text.replace('\n', " ")
+}
+
+/// A usage error (exit code 2): the command line or its input was wrong.
+pub(crate) fn usage(message: impl Into<String>) -> Failure {
+    Failure {
+        message: message.into(),
+        code: 2,
+    }
+}
+
+/// A failure of the operation (exit code 1).
+pub(crate) fn failed(message: impl Into<String>) -> Failure {
+    Failure {
+        message: message.into(),
+        code: 1,
+    }
+}
+
+/// Parses and checks `--database-url` / `DATABASE_URL`.
+///
+/// tokio-postgres accepts many strings (`postgres://` with no host is a valid URL), so
+/// this also requires a host and a user: what a connection needs.
+pub(crate) fn database_config(url: Option<&str>) -> Result<tokio_postgres::Config, Failure> {
+    const EXAMPLE: &str = "e.g. postgres://user:password@localhost:5432/app";
+    let url = url
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .ok_or_else(|| {
+            usage("error: DATABASE_URL is not set (pass --database-url or set DATABASE_URL)")
+        })?;
+    let mut config: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
+        let reason = e.to_string().replace('\n', " ");
+        usage(format!(
+            "error: DATABASE_URL is malformed ({reason}); {EXAMPLE}"
+        ))
+    })?;
+    if config.get_hosts().is_empty() {
+        return Err(usage(format!(
+            "error: DATABASE_URL names no host; {EXAMPLE}"
+        )));
+    }
+    if config.get_user().is_none() {
+        return Err(usage(format!(
+            "error: DATABASE_URL names no user; {EXAMPLE}"
+        )));
+    }
+    if config.get_application_name().is_none() {
+        config.application_name("pgbus cli");
+    }
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(10));
+    }
+    Ok(config)
+}
+
+/// Connects once, for a command's statements.
+pub(crate) async fn connect(
+    config: &tokio_postgres::Config,
+) -> Result<tokio_postgres::Client, Failure> {
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await.map_err(|e| {
+        failed(format!(
+            "error: could not connect to DATABASE_URL: {}",
+            with_sources(&e)
+        ))
+    })?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "connection closed");
+        }
+    });
+    Ok(client)
+}
+
+/// Parses and checks the URL, then connects.
+pub(crate) async fn connect_url(url: Option<&str>) -> Result<tokio_postgres::Client, Failure> {
+    connect(&database_config(url)?).await
+}
+
+/// Parses a duration: a number and a unit (`ms`, `s`, `m`, `h`, `d`), or several
+/// (`1h30m`). Every duration on the command line goes through this.
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Err("empty duration (e.g. 30s, 500ms, 2m, 1h, 7d)".into());
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(rest.len());
+        let (number, tail) = rest.split_at(digits);
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_len);
+        let value: f64 = number
+            .parse()
+            .map_err(|_| format!("invalid duration {text:?} (e.g. 30s, 500ms, 2m, 1h, 7d)"))?;
+        let seconds = match unit {
+            "ms" => 0.001,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            "d" => 86400.0,
+            "" => {
+                return Err(format!(
+                    "duration {text:?} has no unit (e.g. {number}s or {number}ms)"
+                ));
+            }
+            other => {
+                return Err(format!(
+                    "unknown unit {other:?} in duration {text:?} (ms, s, m, h or d)"
+                ));
+            }
+        };
+        total += Duration::try_from_secs_f64(value * seconds)
+            .map_err(|_| format!("duration {text:?} is out of range"))?;
+        rest = tail;
+    }
+    Ok(total)
+}
+
+/// A point in time on the command line: an RFC 3339 timestamp
+/// (`2025-01-31T12:00:00Z`), a date (`2025-01-31`, midnight UTC), or a duration meaning
+/// that long ago by the database's clock (`1h`, `7d`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum TimeArg {
+    At(DateTime<Utc>),
+    Ago(Duration),
+}
+
+pub(crate) fn parse_time(text: &str) -> Result<TimeArg, String> {
+    if let Ok(at) = DateTime::parse_from_rfc3339(text) {
+        return Ok(TimeArg::At(at.with_timezone(&Utc)));
+    }
+    if let Ok(date) = NaiveDate::parse_from_str(text, "%Y-%m-%d") {
+        return Ok(TimeArg::At(
+            date.and_hms_opt(0, 0, 0).unwrap_or_default().and_utc(),
+        ));
+    }
+    parse_duration(text).map(TimeArg::Ago).map_err(|_| {
+        format!(
+            "invalid time {text:?}: give an RFC 3339 timestamp (2025-01-31T12:00:00Z), \
+             a date (2025-01-31) or a duration ago (1h, 7d)"
+        )
+    })
+}
+
+impl TimeArg {
+    /// The time, reading "ago" by the database's clock.
+    pub(crate) async fn resolve(
+        self,
+        client: &tokio_postgres::Client,
+    ) -> Result<DateTime<Utc>, Failure> {
+        match self {
+            TimeArg::At(at) => Ok(at),
+            TimeArg::Ago(ago) => {
+                let now: DateTime<Utc> = client.query_one("SELECT now()", &[]).await?.get(0);
+                let ago = chrono::Duration::from_std(ago)
+                    .map_err(|_| usage("error: the time is too far back"))?;
+                Ok(now - ago)
+            }
+        }
+    }
+}
+
+/// A duration for people: `850ms`, `12.3s`, `4m05s`, `3h12m`, `2d04h`.
+pub(crate) fn human_duration(d: Duration) -> String {
+    let secs = d.as_secs();
+    if d < Duration::from_secs(1) {
+        format!("{}ms", d.as_millis())
+    } else if secs < 60 {
+        format!("{:.1}s", d.as_secs_f64())
+    } else if secs < 3600 {
+        format!("{}m{:02}s", secs / 60, secs % 60)
+    } else if secs < 86400 {
+        format!("{}h{:02}m", secs / 3600, secs % 3600 / 60)
+    } else {
+        format!("{}d{:02}h", secs / 86400, secs % 86400 / 3600)
+    }
+}
+
+/// Lays out rows under headers in left-aligned columns.
+pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::new();
+        for (i, cell) in cells.enumerate() {
+            if i > 0 {
+                text.push_str("  ");
+            }
+            text.push_str(cell);
+            let pad = widths[i].saturating_sub(cell.chars().count());
+            text.extend(std::iter::repeat_n(' ', pad));
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&mut headers.iter().copied());
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+/// Prints one JSON value on one line.
+pub(crate) fn print_json(value: &serde_json::Value) {
+    println!("{value}");
+}
+
+/// Waits for SIGINT or SIGTERM.
+pub(crate) async fn shutdown_signal() -> Result<(), Failure> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt())
+        .map_err(|e| failed(format!("error: cannot catch SIGINT: {e}")))?;
+    let mut terminate = signal(SignalKind::terminate())
+        .map_err(|e| failed(format!("error: cannot catch SIGTERM: {e}")))?;
+    tokio::select! {
+        _ = interrupt.recv() => {}
+        _ = terminate.recv() => {}
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_their_units() {
+        let ok = |s: &str| parse_duration(s).unwrap();
+        assert_eq!(ok("500ms"), Duration::from_millis(500));
+        assert_eq!(ok("30s"), Duration::from_secs(30));
+        assert_eq!(ok("2m"), Duration::from_secs(120));
+        assert_eq!(ok("1h"), Duration::from_secs(3600));
+        assert_eq!(ok("7d"), Duration::from_secs(7 * 86400));
+        assert_eq!(ok("1h30m"), Duration::from_secs(5400));
+        assert_eq!(ok("1.5s"), Duration::from_millis(1500));
+        for bad in ["", "30", "s", "3x", "-1s", "1..2s", "10 s"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn times_are_timestamps_dates_or_durations_ago() {
+        assert!(matches!(
+            parse_time("2025-01-31T12:00:00Z"),
+            Ok(TimeArg::At(t)) if t.to_rfc3339() == "2025-01-31T12:00:00+00:00"
+        ));
+        assert!(matches!(parse_time("2025-01-31"), Ok(TimeArg::At(_))));
+        assert!(matches!(parse_time("1h"), Ok(TimeArg::Ago(d)) if d.as_secs() == 3600));
+        assert!(parse_time("yesterday").is_err());
+    }
+
+    #[test]
+    fn database_urls_need_a_host_and_a_user() {
+        for bad in [
+            None,
+            Some(""),
+            Some("not a url"),
+            Some("postgres://"),
+            Some("postgres://localhost:notaport/db"),
+            Some("dbname=app"),
+        ] {
+            let e = database_config(bad).unwrap_err();
+            assert_eq!(e.code, 2, "{bad:?}");
+            assert!(e.message.contains("DATABASE_URL"), "{bad:?}: {}", e.message);
+            assert!(!e.message.contains('\n'), "{bad:?}: {}", e.message);
+        }
+        assert!(database_config(Some("postgres://app@localhost/app")).is_ok());
+        assert!(database_config(Some("host=/tmp user=postgres dbname=x")).is_ok());
+    }
+
+    #[test]
+    fn tables_align_their_columns() {
+        let t = table(&["A", "BBB"], &[vec!["xx".into(), "y".into()]]);
+        assert_eq!(t, "A   BBB\nxx  y\n");
+    }
+}

@@ -1,0 +1,151 @@
+//! `pgbus status`: the state of every subscription, once or refreshed in place.
+
+use std::io::{IsTerminal as _, Write as _};
+use std::time::Duration;
+
+use pgbus::admin::{self, Status};
+use serde_json::json;
+
+use super::{Failure, human_duration, parse_duration, print_json, table};
+
+/// Arguments of `pgbus status`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "\
+Examples:
+  pgbus status
+  pgbus status --watch --interval 2s
+  pgbus status --subscription mailer --json | jq '.subscriptions[0].dead'
+
+Columns: PENDING waiting (due now or retries scheduled later), DUE pending and due now,
+PROCESSING claimed by a consumer, DEAD dead letters, LAG how long the oldest due delivery
+has waited, DONE/1M events of the last minute whose delivery finished, CONSUMERS running
+consumers serving the subscription.")]
+pub(crate) struct StatusArgs {
+    /// Only this subscription.
+    #[arg(long, short)]
+    subscription: Option<String>,
+    /// Refresh in place until Ctrl-C.
+    #[arg(long, short)]
+    watch: bool,
+    /// How often --watch refreshes.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    interval: Duration,
+    /// Print JSON (with --watch, one object per line).
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) async fn run(args: StatusArgs, url: Option<&str>) -> Result<(), Failure> {
+    let client = super::connect_url(url).await?;
+    if !args.watch {
+        let status = read(&client, args.subscription.as_deref()).await?;
+        show(&status, args.json);
+        return Ok(());
+    }
+    let in_place = !args.json && std::io::stdout().is_terminal();
+    let mut tick = tokio::time::interval(args.interval.max(Duration::from_millis(100)));
+    let stop = super::shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            r = &mut stop => return r,
+            _ = tick.tick() => {}
+        }
+        let status = read(&client, args.subscription.as_deref()).await?;
+        if in_place {
+            // Home, clear: the view is redrawn in place.
+            print!("\x1b[H\x1b[2J");
+        }
+        show(&status, args.json);
+        let _ = std::io::stdout().flush();
+    }
+}
+
+async fn read(client: &tokio_postgres::Client, only: Option<&str>) -> Result<Status, Failure> {
+    let mut status = admin::status(client).await?;
+    if let Some(name) = only {
+        let one = admin::subscription_status(client, name).await?;
+        status.subscriptions = vec![one];
+    }
+    Ok(status)
+}
+
+fn show(status: &Status, as_json: bool) {
+    if as_json {
+        let subs: Vec<_> = status
+            .subscriptions
+            .iter()
+            .map(|s| {
+                json!({
+                    "name": s.name,
+                    "patterns": s.patterns,
+                    "max_attempts": s.max_attempts,
+                    "pending": s.pending,
+                    "due": s.due,
+                    "processing": s.processing,
+                    "dead": s.dead,
+                    "lag_seconds": s.oldest_due_age.map(|d| d.as_secs_f64()),
+                    "done_last_minute": s.done_last_minute,
+                    "consumers": s.consumers,
+                })
+            })
+            .collect();
+        print_json(&json!({
+            "subscriptions": subs,
+            "notification_queue_usage": status.notification_queue_usage,
+            "listeners": status.listeners,
+            "consumers": status.consumers,
+            "sleeping_consumers": status.sleeping_consumers,
+        }));
+        return;
+    }
+    let rows: Vec<Vec<String>> = status
+        .subscriptions
+        .iter()
+        .map(|s| {
+            vec![
+                s.name.clone(),
+                s.pending.to_string(),
+                s.due.to_string(),
+                s.processing.to_string(),
+                s.dead.to_string(),
+                s.oldest_due_age.map_or("-".into(), human_duration),
+                s.done_last_minute.to_string(),
+                s.consumers.to_string(),
+            ]
+        })
+        .collect();
+    if rows.is_empty() {
+        println!("no subscriptions yet (a consumer registers its subscription when it starts)");
+    } else {
+        print!(
+            "{}",
+            table(
+                &[
+                    "SUBSCRIPTION",
+                    "PENDING",
+                    "DUE",
+                    "PROCESSING",
+                    "DEAD",
+                    "LAG",
+                    "DONE/1M",
+                    "CONSUMERS",
+                ],
+                &rows,
+            )
+        );
+    }
+    println!(
+        "notification queue {:.1}% used, {} listener{}, {} consumer{} ({} asleep)",
+        status.notification_queue_usage * 100.0,
+        status.listeners,
+        plural(status.listeners),
+        status.consumers,
+        plural(status.consumers),
+        status.sleeping_consumers,
+    );
+}
+
+fn plural(n: i64) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}

@@ -1,0 +1,203 @@
+//! Running the `pgbus` binary in tests: one-shot commands with a deadline, and
+//! long-running `pgbus consume` processes that are killed when dropped.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+use crate::common;
+
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// The `pgbus` binary, with no DATABASE_URL from the environment.
+pub fn pgbus() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgbus"));
+    cmd.env_remove("DATABASE_URL")
+        .env_remove("PGBUS_LOG")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    cmd
+}
+
+/// The `pgbus` binary with DATABASE_URL naming the test's database.
+pub fn pgbus_on(db: &common::TestDb) -> Command {
+    let mut cmd = pgbus();
+    cmd.env("DATABASE_URL", db.url());
+    cmd
+}
+
+#[derive(Debug)]
+pub struct Output {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Output {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(self.stdout.trim())
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:?}"))
+    }
+
+    pub fn ok(self) -> Self {
+        assert_eq!(self.code, 0, "{self:?}");
+        self
+    }
+}
+
+/// Runs a command to its end, with `input` on its standard input.
+pub async fn run_with(mut cmd: Command, args: &[&str], input: Option<&str>) -> Output {
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    if input.is_some() {
+        cmd.stdin(Stdio::piped());
+    }
+    let mut child = cmd.spawn().expect("spawning pgbus");
+    if let Some(input) = input {
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(input.as_bytes()).await.unwrap();
+    }
+    let out = common::within(
+        &format!("pgbus {}", args.join(" ")),
+        WAIT,
+        child.wait_with_output(),
+    )
+    .await
+    .unwrap();
+    Output {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+pub async fn run(cmd: Command, args: &[&str]) -> Output {
+    run_with(cmd, args, None).await
+}
+
+pub async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+pub async fn wait_count(client: &tokio_postgres::Client, what: &str, sql: &str, expected: i64) {
+    common::wait_for(what, WAIT, || async {
+        count(client, sql).await == expected
+    })
+    .await;
+}
+
+/// Waits until no delivery is left: every one was acked.
+pub async fn wait_settled(client: &tokio_postgres::Client, what: &str) {
+    wait_count(client, what, "SELECT count(*) FROM pgbus.deliveries", 0).await;
+}
+
+/// A running `pgbus consume`. Dropping it kills the process.
+pub struct Consumer {
+    child: Child,
+    lines: mpsc::UnboundedReceiver<String>,
+}
+
+impl Consumer {
+    /// Starts `pgbus consume ARGS` and waits until it has registered its subscription.
+    pub async fn start(db: &common::TestDb, args: &[&str]) -> Consumer {
+        Consumer::start_in(db, args, None).await
+    }
+
+    pub async fn start_in(
+        db: &common::TestDb,
+        args: &[&str],
+        dir: Option<&std::path::Path>,
+    ) -> Self {
+        let mut cmd = pgbus_on(db);
+        cmd.arg("consume")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(dir) = dir {
+            cmd.current_dir(dir);
+        }
+        let mut child = cmd.spawn().expect("spawning pgbus consume");
+        let (tx, lines) = mpsc::unbounded_channel();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = stdout.next_line().await {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let (ready_tx, mut ready) = mpsc::unbounded_channel();
+        let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = stderr.next_line().await {
+                eprintln!("[consume] {line}");
+                if line.starts_with("pgbus: consuming") {
+                    let _ = ready_tx.send(());
+                }
+            }
+        });
+        common::within("consume to start", WAIT, ready.recv())
+            .await
+            .expect("consume exited before it was ready");
+        Consumer { child, lines }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("consume is running")
+    }
+
+    /// The next delivery printed on standard output.
+    pub async fn next(&mut self) -> Value {
+        let line = common::within("a delivery line", WAIT, self.lines.recv())
+            .await
+            .expect("consume closed its output");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+    }
+
+    /// Sends SIGTERM and waits for the exit code.
+    pub async fn terminate(mut self) -> i32 {
+        signal(self.pid(), "TERM").await;
+        let status = common::within("consume to stop", WAIT, self.child.wait())
+            .await
+            .unwrap();
+        status.code().unwrap_or(-1)
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+pub async fn signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{name}"), pid.to_string()])
+        .status()
+        .await
+        .unwrap();
+    assert!(status.success(), "kill -{name} {pid}");
+}
+
+/// A scratch directory of the test's own.
+pub fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("cli-{name}-{:016x}", fastrand::u64(..)));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+impl Consumer {
+    /// Kills the process with SIGKILL (no graceful anything) and waits for it to end.
+    pub async fn kill_hard(mut self) {
+        signal(self.pid(), "KILL").await;
+        common::within("consume to die", WAIT, self.child.wait())
+            .await
+            .unwrap();
+    }
+}
