@@ -2,6 +2,7 @@
 
 mod cli;
 
+use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -103,6 +104,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()

@@ -119,6 +119,7 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
     let mut bus = builder.build()?;
     let subscription = bus.subscribe(&args.subscription, args.patterns.clone())?;
     let running = bus.start().await?;
+    let stop = super::shutdown_signal()?;
     eprintln!(
         "pgbus: consuming {:?} ({}) as worker {}; stop with Ctrl-C or SIGTERM",
         args.subscription,
@@ -148,7 +149,7 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
     let mut outcome = Ok(());
     tokio::select! {
         _ = &mut work => {}
-        r = super::shutdown_signal() => outcome = r,
+        () = stop => {}
         _ = broken.cancelled() => {
             outcome = Err(failed("error: standard output was closed"));
         }

@@ -220,13 +220,13 @@ async fn demo(args: &DemoArgs, config: &tokio_postgres::Config) -> Result<(), Fa
     let started = Instant::now();
     let total = Duration::from_secs(args.seconds);
     let mut refresh = tokio::time::interval(REFRESH);
-    let signal = super::shutdown_signal();
+    let signal = super::shutdown_signal()?;
     tokio::pin!(signal);
     let mut drawn = 0;
     let mut outcome = Ok(());
     loop {
         tokio::select! {
-            r = &mut signal => { outcome = r; break; }
+            () = &mut signal => break,
             _ = tokio::time::sleep(total.saturating_sub(started.elapsed())) => break,
             Some(done) = producers.join_next() => {
                 if let Ok(Err(e)) = done {

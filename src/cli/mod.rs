@@ -276,18 +276,21 @@ pub(crate) fn print_json(value: &serde_json::Value) {
     println!("{value}");
 }
 
-/// Waits for SIGINT or SIGTERM.
-pub(crate) async fn shutdown_signal() -> Result<(), Failure> {
+/// Catches SIGINT and SIGTERM from now on; the future completes at the first of them.
+/// (Registered before it is awaited, so a signal sent as soon as a command says it is
+/// ready is never lost to the default action.)
+pub(crate) fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, Failure> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut interrupt = signal(SignalKind::interrupt())
         .map_err(|e| failed(format!("error: cannot catch SIGINT: {e}")))?;
     let mut terminate = signal(SignalKind::terminate())
         .map_err(|e| failed(format!("error: cannot catch SIGTERM: {e}")))?;
-    tokio::select! {
-        _ = interrupt.recv() => {}
-        _ = terminate.recv() => {}
-    }
-    Ok(())
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    })
 }
 
 #[cfg(test)]

@@ -44,11 +44,11 @@ pub(crate) async fn run(args: StatusArgs, url: Option<&str>) -> Result<(), Failu
     }
     let in_place = !args.json && std::io::stdout().is_terminal();
     let mut tick = tokio::time::interval(args.interval.max(Duration::from_millis(100)));
-    let stop = super::shutdown_signal();
+    let stop = super::shutdown_signal()?;
     tokio::pin!(stop);
     loop {
         tokio::select! {
-            r = &mut stop => return r,
+            () = &mut stop => return Ok(()),
             _ = tick.tick() => {}
         }
         let status = read(&client, args.subscription.as_deref()).await?;
