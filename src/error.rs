@@ -41,7 +41,7 @@ pub enum Error {
         version: i32,
     },
     /// PostgreSQL refused a statement, or the connection failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", describe(.0))]
     Database(#[source] tokio_postgres::Error),
     /// No connection could be taken from the bus's pool.
     #[error("connection pool error: {0}")]
@@ -104,10 +104,18 @@ impl Error {
         matches!(self, Error::Conflict { .. })
     }
 
-    /// Whether the error came from a lost or unusable connection (worth a retry).
+    /// Whether the error came from a lost or unusable connection, or from a server that
+    /// is shutting down or starting up (worth a retry).
     pub fn is_connection(&self) -> bool {
         match self {
-            Error::Database(e) => e.is_closed() || e.code().is_none(),
+            Error::Database(e) => {
+                e.is_closed()
+                    || e.code().is_none_or(|c| {
+                        // 08: connection exception; 57P01-57P05: the server is shutting
+                        // down, crashed, or not accepting connections yet (a restart).
+                        c.code().starts_with("08") || c.code().starts_with("57P")
+                    })
+            }
             Error::Pool(_) => true,
             _ => false,
         }
@@ -118,6 +126,14 @@ impl Error {
             what,
             reason: reason.into(),
         }
+    }
+}
+
+/// What PostgreSQL said, with its SQLSTATE (tokio-postgres alone displays "db error").
+fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => e.to_string(),
     }
 }
 
