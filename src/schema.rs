@@ -20,11 +20,18 @@ pub struct Migration {
 }
 
 /// Every migration this version of pgbus carries, in order.
-pub static MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "init",
-    sql: include_str!("../sql/0001_init.sql"),
-}];
+pub static MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "init",
+        sql: include_str!("../sql/0001_init.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "roles",
+        sql: include_str!("../sql/0003_roles.sql"),
+    },
+];
 
 /// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,
 /// fixed so that every version of pgbus uses the same one).
