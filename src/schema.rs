@@ -27,6 +27,11 @@ pub static MIGRATIONS: &[Migration] = &[
         sql: include_str!("../sql/0001_init.sql"),
     },
     Migration {
+        version: 2,
+        name: "fan_out_without_jit",
+        sql: include_str!("../sql/0002_fan_out_without_jit.sql"),
+    },
+    Migration {
         version: 3,
         name: "roles",
         sql: include_str!("../sql/0003_roles.sql"),
