@@ -14,8 +14,12 @@ use crate::error::{Error, Result};
 
 /// Default seconds of offered load per rate.
 const DEFAULT_SECONDS: f64 = 5.0;
-/// Concurrent producers sharing the offered rate.
-const PRODUCERS: usize = 8;
+/// Concurrent producers sharing the offered rate: one per 100 events/s, 8 to 64. A
+/// durable single-event commit takes a millisecond or more, so one producer cannot offer
+/// more than a few hundred events per second.
+fn producers(rate: u64) -> usize {
+    (rate / 100).clamp(8, 64) as usize
+}
 
 pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
     let seconds = args.knobs.seconds.unwrap_or(DEFAULT_SECONDS);
@@ -24,6 +28,7 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
     for &rate in &args.knobs.rate {
         let mut runs = Runs::default();
         let mut kept = Vec::new();
+        let mut reached = Vec::new();
         for _ in 0..args.runs {
             let r = once(server, rate, seconds, args).await?;
             runs.push_percentiles("", &r.latency);
@@ -32,6 +37,7 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
             runs.push("drain_after_last_commit_ms", r.drain_after_ms);
             runs.push("max_lag_events", r.max_lag as f64);
             kept.push(r.keeps_up);
+            reached.push(r.published_per_s >= 0.95 * rate as f64);
         }
         let keeps_up = kept.iter().all(|k| *k);
         let mut case = runs.json("");
@@ -39,22 +45,33 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
         case.insert("events_per_s".into(), case["delivered_per_s"].clone());
         case.insert("keeps_up".into(), json!(keeps_up));
         case.insert("keeps_up_runs".into(), json!(kept));
+        case.insert("rate_reached_runs".into(), json!(reached));
         case.insert("seconds".into(), json!(seconds));
-        case.insert("producers".into(), json!(PRODUCERS));
+        case.insert("producers".into(), json!(producers(rate)));
         case.insert("concurrency".into(), json!(args.knobs.concurrency));
         text.push_str(&format!(
-            "offered {rate} events/s for {seconds} s ({PRODUCERS} producers, one event per transaction), \
+            "offered {rate} events/s for {seconds} s ({} producers, one event per transaction), \
              bus concurrency {}:\n  commit returned -> handler started: {}\n  p99 {} ms\n  \
-             published {} events/s, delivered {} events/s, largest lag {} events, \
+             published {} events/s{}, delivered {} events/s, largest lag {} events, \
              drained {} ms after the last commit: {}\n",
+            producers(rate),
             args.knobs.concurrency,
             runs.show_latency(""),
             runs.show("p99_ms"),
             runs.show("published_per_s"),
+            if reached.iter().all(|o| *o) {
+                ""
+            } else {
+                " (short of the offered rate: the producers' commits are the limit)"
+            },
             runs.show("delivered_per_s"),
             runs.show("max_lag_events"),
             runs.show("drain_after_last_commit_ms"),
-            if keeps_up { "keeps up" } else { "FALLS BEHIND" },
+            if keeps_up {
+                "the bus keeps up"
+            } else {
+                "the bus FALLS BEHIND"
+            },
         ));
         cases.push(case);
     }
@@ -88,7 +105,8 @@ async fn once(server: &Server, rate: u64, seconds: f64, args: &BenchArgs) -> Res
             .await?;
         wait_until(Duration::from_secs(10), || running.is_listening()).await;
         let mut clients = Vec::new();
-        for _ in 0..PRODUCERS {
+        let producers = producers(rate);
+        for _ in 0..producers {
             clients.push(db.connect().await?);
         }
         let start = tokio::time::Instant::now() + Duration::from_millis(50);
@@ -109,7 +127,7 @@ async fn once(server: &Server, rate: u64, seconds: f64, args: &BenchArgs) -> Res
                     crate::publish(&tx, &event).await?;
                     tx.commit().await?;
                     commits.mark(i, Instant::now());
-                    i += PRODUCERS;
+                    i += producers;
                 }
                 Ok::<_, Error>(())
             }));
@@ -149,7 +167,7 @@ async fn once(server: &Server, rate: u64, seconds: f64, args: &BenchArgs) -> Res
             delivered_per_s: total as f64 / delivered_secs.max(1e-9),
             drain_after_ms: drain_after.as_secs_f64() * 1000.0,
             max_lag,
-            keeps_up: published_per_s >= 0.95 * rate as f64 && drain_after < Duration::from_secs(1),
+            keeps_up: drain_after < Duration::from_secs(1),
         })
     }
     .await;

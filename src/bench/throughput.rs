@@ -36,6 +36,7 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
                 runs.push("events_per_s", r.events_per_s);
                 runs.push("deliveries_per_s", r.deliveries_per_s);
                 runs.push("seconds", r.seconds);
+                runs.push("deliveries_per_claim", r.deliveries_per_claim);
                 if let Some(first) = r.first_per_s {
                     runs.push("first_deliveries_per_s", first);
                 }
@@ -46,11 +47,12 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
             case.insert("concurrency".into(), json!(args.knobs.concurrency));
             text.push_str(&format!(
                 "backlog {backlog}, {fan_out} subscription(s) per event, concurrency {}: \
-                 {} deliveries/s ({} events/s; {} s)\n",
+                 {} deliveries/s ({} events/s; {} s; {} deliveries per claim)\n",
                 args.knobs.concurrency,
                 runs.show("deliveries_per_s"),
                 runs.show("events_per_s"),
                 runs.show("seconds"),
+                runs.show("deliveries_per_claim"),
             ));
             if backlog > FIRST * fan_out as u64 {
                 text.push_str(&format!(
@@ -72,6 +74,8 @@ pub(crate) struct Drain {
     pub(crate) deliveries_per_s: f64,
     /// The rate of the first [`FIRST`] deliveries, when the backlog is larger.
     pub(crate) first_per_s: Option<f64>,
+    /// Deliveries per claim statement (claims that found nothing included).
+    pub(crate) deliveries_per_claim: f64,
 }
 
 /// Seeds `backlog` events with `fan_out` subscriptions each in a fresh database, then
@@ -111,6 +115,7 @@ pub(crate) async fn drain(
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let elapsed = started.elapsed().as_secs_f64();
+        let claims = running.stats().claims;
         running.shutdown().await?;
         let left: i64 = client
             .query_one("SELECT count(*) FROM pgbus.deliveries", &[])
@@ -127,6 +132,7 @@ pub(crate) async fn drain(
             events_per_s: backlog as f64 / elapsed,
             deliveries_per_s: total as f64 / elapsed,
             first_per_s: first.map(|d| FIRST as f64 / d.as_secs_f64()),
+            deliveries_per_claim: total as f64 / claims.max(1) as f64,
         })
     }
     .await;
