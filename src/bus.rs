@@ -807,7 +807,9 @@ async fn run_dispatcher(shared: Arc<Shared>, mut claims: ClaimStream) {
                         messaging.message.conversation_id = event.correlation_id.as_deref(),
                         pgbus.attempt = delivery.attempt,
                     );
-                    let run = AssertUnwindSafe(handler.call(event)).catch_unwind();
+                    // Called inside the future, so that a handler panicking before it
+                    // returns its future (a closure's synchronous part) is caught too.
+                    let run = AssertUnwindSafe(async { handler.call(event).await }).catch_unwind();
                     let outcome = match default_timeout {
                         Some(t) => tokio::time::timeout(t, run)
                             .instrument(span.clone())
