@@ -51,6 +51,8 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(3600);
 pub(crate) const CONSUMER_TTL: Duration = Duration::from_secs(30);
 /// How often the bus renews it.
 const CONSUMER_HEARTBEAT: Duration = Duration::from_secs(10);
+/// How often a bus with ordered subscriptions looks for keys left without a head.
+const REPAIR_INTERVAL: Duration = Duration::from_secs(300);
 
 /// The bus's settings (see the setters of [`BusBuilder`] for each default).
 #[derive(Debug, Clone)]
@@ -99,6 +101,8 @@ pub struct Stats {
     pub claim_errors: u64,
     /// Settlement batches that could not be written.
     pub settle_errors: u64,
+    /// Ordering keys found without a head and repaired (should stay 0).
+    pub repaired: u64,
 }
 
 #[derive(Debug, Default)]
@@ -116,6 +120,7 @@ pub(crate) struct Counters {
     pub(crate) reaped: AtomicU64,
     pub(crate) claim_errors: AtomicU64,
     pub(crate) settle_errors: AtomicU64,
+    pub(crate) repaired: AtomicU64,
 }
 
 impl Counters {
@@ -135,6 +140,7 @@ impl Counters {
             reaped: r(&self.reaped),
             claim_errors: r(&self.claim_errors),
             settle_errors: r(&self.settle_errors),
+            repaired: r(&self.repaired),
         }
     }
 }
@@ -310,6 +316,8 @@ impl Bus {
             patterns,
             retry: options.retry.unwrap_or(self.opts.retry),
             timeout: None,
+            ordered: options.ordered,
+            on_dead: options.on_dead,
             held: Default::default(),
             limit: Some(limit),
             run_limit: None,
@@ -381,6 +389,7 @@ impl Bus {
                     sub.retry.attempts(),
                 )
                 .await?;
+                crate::ordering::set_ordering(&client, &sub.name, sub.ordered, sub.on_dead).await?;
             }
         }
 
@@ -645,6 +654,8 @@ impl BusBuilder {
                 patterns,
                 retry: options.retry.unwrap_or(o.retry),
                 timeout: options.timeout.or(o.handler_timeout),
+                ordered: options.ordered,
+                on_dead: options.on_dead,
                 held: Default::default(),
                 limit: options.concurrency,
                 run_limit: options.concurrency.map(|c| Arc::new(Semaphore::new(c))),
@@ -870,7 +881,8 @@ async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
     let mut reap = tokio::time::interval(shared.opts.poll_interval);
     let mut extend = tokio::time::interval(shared.opts.lease / 3);
     let mut heartbeat = tokio::time::interval(CONSUMER_HEARTBEAT);
-    for i in [&mut reap, &mut extend, &mut heartbeat] {
+    let mut repair = tokio::time::interval(REPAIR_INTERVAL);
+    for i in [&mut reap, &mut extend, &mut heartbeat, &mut repair] {
         i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
     extend.tick().await;
@@ -900,6 +912,16 @@ async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
             },
             _ = heartbeat.tick() => if let Err(e) = claim::consumer_heartbeat(&shared).await {
                 tracing::debug!(error = %e, "pgbus consumer heartbeat failed");
+            },
+            _ = repair.tick(), if shared.subs.values().any(|s| s.ordered) => {
+                match claim::repair_orphans(&shared).await {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        shared.stats.repaired.fetch_add(n as u64, Ordering::Relaxed);
+                        shared.wake.notify_one();
+                    }
+                    Err(e) => tracing::debug!(error = %e, "pgbus ordering repair failed"),
+                }
             },
         }
     }

@@ -1,6 +1,6 @@
 //! Claiming, settling, extending and reaping, and the claim stream that drives them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -113,6 +113,7 @@ async fn claim(
             deliver_at: None,
             delay: None,
             created_at: Some(row.try_get(15)?),
+            ordering_key: row.try_get(16)?,
         };
         let seq = event.seq.unwrap_or_default();
         // The claimer is the only one that acquires, and asked for no more than were
@@ -379,7 +380,11 @@ async fn write_batch(shared: &Arc<Shared>, batch: Vec<SettleMsg>, stopping: bool
     }
     drop(held);
     match result {
-        Ok((rejected, dead)) => {
+        Ok(Settled {
+            rejected,
+            dead,
+            promoted,
+        }) => {
             let mut retry_scheduled = false;
             for mut m in batch {
                 let key = (m.subscription.clone(), m.seq);
@@ -428,7 +433,7 @@ async fn write_batch(shared: &Arc<Shared>, batch: Vec<SettleMsg>, stopping: bool
                 }
                 m.release_slot(shared);
             }
-            if retry_scheduled || !dead.is_empty() {
+            if retry_scheduled || promoted {
                 // The claimer learns the next due retry from its next claim.
                 shared.wake.notify_one();
             }
@@ -456,15 +461,18 @@ fn action_kind(a: &Action) -> &'static str {
 
 type Key = (Arc<str>, i64);
 
-/// Runs the SETTLE statement for a batch; returns the rejected (kind, key) pairs and the
-/// keys dead-lettered.
-async fn settle(
-    shared: &Shared,
-    batch: &[SettleMsg],
-) -> Result<(
-    std::collections::HashSet<(&'static str, Key)>,
-    std::collections::HashSet<Key>,
-)> {
+/// What one SETTLE statement did.
+struct Settled {
+    /// The stale settlements, by kind.
+    rejected: HashSet<(&'static str, Key)>,
+    /// The deliveries it dead-lettered.
+    dead: HashSet<Key>,
+    /// Whether it promoted the next delivery of some key (ordered subscriptions).
+    promoted: bool,
+}
+
+/// Runs the SETTLE statement for a batch.
+async fn settle(shared: &Shared, batch: &[SettleMsg]) -> Result<Settled> {
     let mut ack = (Vec::new(), Vec::new(), Vec::new());
     let mut fail = (
         Vec::new(),
@@ -542,17 +550,23 @@ async fn settle(
             ],
         )
         .await?;
-    let mut rejected = std::collections::HashSet::new();
-    let mut dead = std::collections::HashSet::new();
+    let mut rejected = HashSet::new();
+    let mut dead = HashSet::new();
+    let mut promoted = false;
     for row in rows {
         let kind: &str = row.try_get(0)?;
-        let sub: &str = row.try_get(1)?;
-        let seq: i64 = row.try_get(2)?;
+        let (Some(sub), Some(seq)) = (
+            row.try_get::<_, Option<&str>>(1)?,
+            row.try_get::<_, Option<i64>>(2)?,
+        ) else {
+            continue; // "woke": sleeping buses were notified
+        };
         let key: Key = (Arc::from(sub), seq);
         match kind {
             "dead" => {
                 dead.insert(key);
             }
+            "promoted" => promoted = true,
             "ack" => {
                 rejected.insert(("ack", key));
             }
@@ -564,7 +578,11 @@ async fn settle(
             }
         }
     }
-    Ok((rejected, dead))
+    Ok(Settled {
+        rejected,
+        dead,
+        promoted,
+    })
 }
 
 /// Extends the leases of every delivery this bus still holds; returns how many.
@@ -613,6 +631,27 @@ pub(crate) async fn reap(shared: &Shared) -> Result<(i64, i64)> {
         .await?;
     let row = client.query_one(&stmt, &[&1000_i32]).await?;
     Ok((row.try_get(0)?, row.try_get(1)?))
+}
+
+/// Repairs keys of ordered subscriptions left without a head; returns how many.
+pub(crate) async fn repair_orphans(shared: &Shared) -> Result<usize> {
+    let client = shared.pool.get().await?;
+    let stmt = client
+        .prepare_typed_cached(sql::REPAIR, &[Type::INT4])
+        .await?;
+    let rows = client.query(&stmt, &[&1000_i32]).await?;
+    for row in &rows {
+        let sub: &str = row.try_get(0)?;
+        let key: &str = row.try_get(1)?;
+        let seq: i64 = row.try_get(2)?;
+        tracing::error!(
+            messaging.destination.subscription.name = sub,
+            pgbus.ordering_key = key,
+            pgbus.event_seq = seq,
+            "pgbus repaired an ordering key that had no head"
+        );
+    }
+    Ok(rows.len())
 }
 
 /// Registers or renews this bus's row in `pgbus.consumers`.

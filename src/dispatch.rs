@@ -12,6 +12,7 @@ use tokio::sync::Semaphore;
 
 use crate::error::HandlerError;
 use crate::event::Event;
+use crate::ordering::DeadHeadPolicy;
 use crate::retry::RetryPolicy;
 use crate::subscribe::Delivery;
 
@@ -93,6 +94,12 @@ pub struct SubscriptionOptions {
     /// How long one attempt may run before it counts as failed (default: the bus's
     /// handler timeout).
     pub timeout: Option<Duration>,
+    /// Deliver each ordering key's events one at a time, in commit order (default: false).
+    /// See [`crate::ordering`].
+    pub ordered: bool,
+    /// For an ordered subscription, what a dead head does to its key (default:
+    /// [`DeadHeadPolicy::Block`]).
+    pub on_dead: DeadHeadPolicy,
 }
 
 impl SubscriptionOptions {
@@ -118,6 +125,19 @@ impl SubscriptionOptions {
         self.timeout = Some(timeout);
         self
     }
+
+    /// Makes the subscription ordered: one delivery per ordering key at a time, in the
+    /// order the events' transactions committed.
+    pub fn ordered(mut self, ordered: bool) -> Self {
+        self.ordered = ordered;
+        self
+    }
+
+    /// Sets what a dead head does to its key in an ordered subscription.
+    pub fn on_dead(mut self, policy: DeadHeadPolicy) -> Self {
+        self.on_dead = policy;
+        self
+    }
 }
 
 /// Where a subscription's deliveries go.
@@ -136,6 +156,9 @@ pub(crate) struct SubRuntime {
     pub(crate) held: AtomicUsize,
     /// The most this subscription may hold at once, if limited.
     pub(crate) limit: Option<usize>,
+    /// Ordered, and what a dead head does.
+    pub(crate) ordered: bool,
+    pub(crate) on_dead: DeadHeadPolicy,
     /// Limits concurrent handler runs of this subscription.
     pub(crate) run_limit: Option<Arc<Semaphore>>,
     pub(crate) target: Target,

@@ -67,6 +67,9 @@ pub struct Event {
     pub delay: Option<Duration>,
     /// When the event was written to the log; `None` until read back from it.
     pub created_at: Option<DateTime<Utc>>,
+    /// The key that ordered subscriptions keep this event in order by. `None` means the
+    /// aggregate (`"type:id"`) when one is set, else unordered.
+    pub ordering_key: Option<String>,
 }
 
 impl Event {
@@ -90,6 +93,7 @@ impl Event {
             deliver_at: None,
             delay: None,
             created_at: None,
+            ordering_key: None,
         }
     }
 
@@ -116,6 +120,14 @@ impl Event {
     pub fn aggregate(mut self, kind: impl Into<String>, id: impl Into<String>) -> Self {
         self.aggregate_type = Some(kind.into());
         self.aggregate_id = Some(id.into());
+        self
+    }
+
+    /// Sets the ordering key: ordered subscriptions deliver the events of one key one at
+    /// a time, in the order their transactions committed, while other keys flow. Default:
+    /// the aggregate (`"type:id"`) when one is set.
+    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
         self
     }
 

@@ -39,6 +39,7 @@ pub mod embedded;
 mod error;
 mod event;
 mod listen;
+pub mod ordering;
 mod publish;
 mod retry;
 pub mod schema;
@@ -54,6 +55,7 @@ pub use claim::ClaimStream;
 pub use dispatch::{Handler, SubscriptionOptions};
 pub use error::{Error, HandlerError, Result};
 pub use event::{DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_NAME_BYTES, pattern_matches};
+pub use ordering::DeadHeadPolicy;
 pub use publish::{Executor, Published, Publisher, publish, publish_batch};
 pub use retry::{
     DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE, DEFAULT_RETRY_CAP, DEFAULT_RETRY_FACTOR, RetryPolicy,

@@ -117,11 +117,12 @@ conflict AS (
 written AS (
   INSERT INTO pgbus.events AS e
     (id, event_name, event_version, source, aggregate_type, aggregate_id, correlation_id,
-     causation_id, occurred_at, payload, headers, available_at)
+     causation_id, occurred_at, payload, headers, available_at, ordering_key)
   SELECT t.id, t.event_name, t.event_version, t.source, t.aggregate_type, t.aggregate_id,
          t.correlation_id, t.causation_id, coalesce(t.occurred_at, now()),
          t.payload::jsonb, t.headers::jsonb,
-         coalesce(t.deliver_at, now() + t.delay_ms * interval '1 millisecond', now())
+         coalesce(t.deliver_at, now() + t.delay_ms * interval '1 millisecond', now()),
+         t.ordering_key
   FROM t
   WHERE NOT EXISTS (SELECT 1 FROM conflict)
   ON CONFLICT ON CONSTRAINT events_id_key DO UPDATE SET id = EXCLUDED.id
@@ -135,10 +136,11 @@ SELECT (SELECT count(*) FROM written WHERE inserted),
        coalesce((SELECT id FROM conflict), (SELECT id FROM written WHERE NOT inserted LIMIT 1))";
 
 pub(crate) const COLUMNS: &str = "t(id, event_name, event_version, source, aggregate_type, aggregate_id, \
-     correlation_id, causation_id, occurred_at, payload, headers, deliver_at, delay_ms)";
+     correlation_id, causation_id, occurred_at, payload, headers, deliver_at, delay_ms, \
+     ordering_key)";
 
 /// Parameter types of the single-event statement, in order.
-pub(crate) const ONE_TYPES: [Type; 13] = [
+pub(crate) const ONE_TYPES: [Type; 14] = [
     Type::TEXT,
     Type::TEXT,
     Type::INT4,
@@ -152,10 +154,11 @@ pub(crate) const ONE_TYPES: [Type; 13] = [
     Type::TEXT,
     Type::TIMESTAMPTZ,
     Type::INT8,
+    Type::TEXT,
 ];
 
 /// Parameter types of the batch statement: the same columns as arrays.
-const BATCH_TYPES: [Type; 13] = [
+const BATCH_TYPES: [Type; 14] = [
     Type::TEXT_ARRAY,
     Type::TEXT_ARRAY,
     Type::INT4_ARRAY,
@@ -169,13 +172,14 @@ const BATCH_TYPES: [Type; 13] = [
     Type::TEXT_ARRAY,
     Type::TIMESTAMPTZ_ARRAY,
     Type::INT8_ARRAY,
+    Type::TEXT_ARRAY,
 ];
 
 fn one_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         format!(
-            "{INSERT_HEAD}(VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)) AS {COLUMNS}{INSERT_TAIL}"
+            "{INSERT_HEAD}(VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)) AS {COLUMNS}{INSERT_TAIL}"
         )
     })
 }
@@ -184,7 +188,7 @@ fn batch_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         format!(
-            "{INSERT_HEAD}unnest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) AS {COLUMNS}{INSERT_TAIL}"
+            "{INSERT_HEAD}unnest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) AS {COLUMNS}{INSERT_TAIL}"
         )
     })
 }
@@ -221,7 +225,7 @@ impl Publisher {
             messaging.batch.message_count = 1_i64,
         );
         let _enter = span.enter();
-        let params: [(&(dyn ToSql + Sync), Type); 13] = [
+        let params: [(&(dyn ToSql + Sync), Type); 14] = [
             (&event.id, ONE_TYPES[0].clone()),
             (&event.name, ONE_TYPES[1].clone()),
             (&event.version, ONE_TYPES[2].clone()),
@@ -235,6 +239,7 @@ impl Publisher {
             (&enc.headers, ONE_TYPES[10].clone()),
             (&event.deliver_at, ONE_TYPES[11].clone()),
             (&enc.delay_ms, ONE_TYPES[12].clone()),
+            (&event.ordering_key, ONE_TYPES[13].clone()),
         ];
         drop(_enter);
         let rows = client.client().query_typed(one_sql(), &params).await?;
@@ -273,6 +278,7 @@ impl Publisher {
         let mut headers = Vec::with_capacity(n);
         let mut deliver_at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
         let mut delays = Vec::with_capacity(n);
+        let mut keys = Vec::with_capacity(n);
         let mut seen = std::collections::HashMap::with_capacity(n);
         for (i, event) in events.iter().enumerate() {
             let enc = event.encode(self.max_payload_bytes)?;
@@ -301,6 +307,7 @@ impl Publisher {
             headers.push(enc.headers);
             deliver_at.push(event.deliver_at);
             delays.push(enc.delay_ms);
+            keys.push(event.ordering_key.as_deref());
         }
         let span = tracing::debug_span!(
             "pgbus.publish",
@@ -308,7 +315,7 @@ impl Publisher {
             messaging.batch.message_count = n as i64,
         );
         let _enter = span.enter();
-        let params: [(&(dyn ToSql + Sync), Type); 13] = [
+        let params: [(&(dyn ToSql + Sync), Type); 14] = [
             (&ids, BATCH_TYPES[0].clone()),
             (&names, BATCH_TYPES[1].clone()),
             (&versions, BATCH_TYPES[2].clone()),
@@ -322,6 +329,7 @@ impl Publisher {
             (&headers, BATCH_TYPES[10].clone()),
             (&deliver_at, BATCH_TYPES[11].clone()),
             (&delays, BATCH_TYPES[12].clone()),
+            (&keys, BATCH_TYPES[13].clone()),
         ];
         drop(_enter);
         let rows = client.client().query_typed(batch_sql(), &params).await?;

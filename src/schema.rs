@@ -36,6 +36,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "roles",
         sql: include_str!("../sql/0003_roles.sql"),
     },
+    Migration {
+        version: 4,
+        name: "ordered",
+        sql: include_str!("../sql/0004_ordered.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,

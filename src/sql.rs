@@ -13,6 +13,8 @@
 /// One index range scan per subscription (`deliveries_claim_idx`) picks the oldest due
 /// pending rows with `FOR UPDATE SKIP LOCKED`, so the cost is O(batch) whatever the
 /// backlog, and one subscription's backlog never slows another's. Attempts count claims.
+/// Only heads are claimable: every delivery of an unordered subscription, and the oldest
+/// unfinished delivery of each key of an ordered one.
 ///
 /// Always returns at least one row: column 0 is the seconds until the next delivery of
 /// these subscriptions becomes due (NULL if none is scheduled); the other columns are the
@@ -26,7 +28,8 @@ picked AS (
   FROM subs CROSS JOIN LATERAL (
     SELECT d.subscription, d.event_seq, d.available_at
     FROM pgbus.deliveries AS d
-    WHERE d.subscription = subs.name AND d.status = 'pending' AND d.available_at <= now()
+    WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
+      AND d.available_at <= now()
     ORDER BY d.available_at, d.event_seq
     LIMIT subs.quota
     FOR UPDATE SKIP LOCKED
@@ -53,7 +56,8 @@ next_due AS (
   SELECT extract(epoch FROM min(n.available_at) - now())::float8 AS secs
   FROM subs CROSS JOIN LATERAL (
     SELECT d.available_at FROM pgbus.deliveries AS d
-    WHERE d.subscription = subs.name AND d.status = 'pending' AND d.available_at > now()
+    WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
+      AND d.available_at > now()
     ORDER BY d.available_at, d.event_seq
     LIMIT 1
   ) AS n
@@ -61,7 +65,7 @@ next_due AS (
 SELECT next_due.secs, c.subscription, c.attempts,
        e.seq, e.id, e.event_name, e.event_version, e.source, e.aggregate_type,
        e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
-       e.headers, e.created_at
+       e.headers, e.created_at, e.ordering_key
 FROM next_due
 LEFT JOIN (claimed AS c JOIN pgbus.events AS e ON e.seq = c.event_seq) ON true
 ORDER BY e.seq";
@@ -83,63 +87,17 @@ ORDER BY e.seq";
 /// retry or dead-letters the delivery (permanent, or out of attempts). A release puts a
 /// claimed but never started delivery back without consuming its attempt.
 ///
-/// Returns one row per rejected (stale) settlement, kind `ack`, `fail` or `release`, and
-/// one row of kind `dead` per delivery this statement dead-lettered.
+/// For ordered subscriptions (`pgbus.settle` in `sql/0004_ordered.sql`), it first locks
+/// the keys involved; deleting a completed head (or skipping a dead one under
+/// `on_dead = 'skip'`) promotes the key's next delivery in the same statement, and wakes
+/// sleeping buses when it did.
+///
+/// Returns one row per rejected (stale) settlement, kind `ack`, `fail` or `release`; one
+/// row of kind `dead` per delivery dead-lettered; one of kind `promoted` per new head; and
+/// one of kind `woke` if it notified.
 pub const SETTLE: &str = "\
-WITH acks AS (
-  SELECT * FROM unnest($1::text[], $2::int8[], $3::int4[]) AS a(subscription, event_seq, attempt)
-),
-fails AS (
-  SELECT * FROM unnest($4::text[], $5::int8[], $6::int4[], $7::text[], $8::int8[], $9::bool[])
-    AS f(subscription, event_seq, attempt, error, delay_ms, permanent)
-),
-releases AS (
-  SELECT * FROM unnest($10::text[], $11::int8[], $12::int4[]) AS r(subscription, event_seq, attempt)
-),
-acked AS (
-  DELETE FROM pgbus.deliveries AS d
-  USING acks
-  WHERE d.subscription = acks.subscription AND d.event_seq = acks.event_seq
-    AND d.attempts = acks.attempt AND d.locked_by = $13
-  RETURNING d.subscription, d.event_seq
-),
-failed AS (
-  UPDATE pgbus.deliveries AS d
-  SET status = CASE WHEN fails.permanent OR d.attempts >= coalesce(s.max_attempts, 1)
-                    THEN 'dead' ELSE 'pending' END,
-      available_at = now() + fails.delay_ms * interval '1 millisecond',
-      locked_until = NULL,
-      last_error = fails.error
-  FROM fails LEFT JOIN pgbus.subscriptions AS s ON s.name = fails.subscription
-  WHERE d.subscription = fails.subscription AND d.event_seq = fails.event_seq
-    AND d.attempts = fails.attempt AND d.locked_by = $13 AND d.status = 'processing'
-  RETURNING d.subscription, d.event_seq, d.attempts, d.status, fails.error
-),
-history AS (
-  INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error, worker)
-  SELECT subscription, event_seq, attempts, error, $13 FROM failed
-),
-released AS (
-  UPDATE pgbus.deliveries AS d
-  SET status = 'pending', attempts = d.attempts - 1, locked_until = NULL, available_at = now()
-  FROM releases
-  WHERE d.subscription = releases.subscription AND d.event_seq = releases.event_seq
-    AND d.attempts = releases.attempt AND d.locked_by = $13 AND d.status = 'processing'
-  RETURNING d.subscription, d.event_seq
-)
-SELECT 'ack' AS kind, a.subscription, a.event_seq FROM acks AS a
- WHERE NOT EXISTS (SELECT 1 FROM acked AS x
-                   WHERE x.subscription = a.subscription AND x.event_seq = a.event_seq)
-UNION ALL
-SELECT 'fail', f.subscription, f.event_seq FROM fails AS f
- WHERE NOT EXISTS (SELECT 1 FROM failed AS x
-                   WHERE x.subscription = f.subscription AND x.event_seq = f.event_seq)
-UNION ALL
-SELECT 'release', r.subscription, r.event_seq FROM releases AS r
- WHERE NOT EXISTS (SELECT 1 FROM released AS x
-                   WHERE x.subscription = r.subscription AND x.event_seq = r.event_seq)
-UNION ALL
-SELECT 'dead', subscription, event_seq FROM failed WHERE status = 'dead'";
+SELECT kind, subscription, event_seq
+FROM pgbus.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 
 /// Extends the leases of deliveries still held by this worker (one statement for all).
 ///
@@ -156,38 +114,18 @@ WHERE d.subscription = t.subscription AND d.event_seq = t.event_seq
 /// a history row each, and notifies the listening buses when anything became due.
 ///
 /// Parameters: `$1 int4` the most rows to reap in one go. Any number of processes may
-/// reap at once: `SKIP LOCKED` gives each its own rows.
+/// reap at once: `SKIP LOCKED` gives each its own rows. Under `on_dead = 'skip'`, a head
+/// that dies is skipped and its key's next delivery promoted (`pgbus.reap` in
+/// `sql/0004_ordered.sql`).
 ///
 /// Returns one row: reaped back to pending, reaped to dead.
-pub const REAP: &str = "\
-WITH expired AS (
-  SELECT subscription, event_seq FROM pgbus.deliveries
-  WHERE status = 'processing' AND locked_until < now()
-  ORDER BY locked_until
-  LIMIT $1
-  FOR UPDATE SKIP LOCKED
-),
-reaped AS (
-  UPDATE pgbus.deliveries AS d
-  SET status = CASE WHEN d.attempts >= coalesce(s.max_attempts, 1) THEN 'dead' ELSE 'pending' END,
-      available_at = now(),
-      locked_until = NULL,
-      last_error = 'lease expired (worker ' || coalesce(d.locked_by, 'unknown') || ')'
-  FROM expired LEFT JOIN pgbus.subscriptions AS s ON s.name = expired.subscription
-  WHERE d.subscription = expired.subscription AND d.event_seq = expired.event_seq
-  RETURNING d.subscription, d.event_seq, d.attempts, d.status, d.last_error, d.locked_by
-),
-history AS (
-  INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error, worker)
-  SELECT subscription, event_seq, attempts, last_error, locked_by FROM reaped
-),
-wake AS (
-  SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM reaped WHERE status = 'pending' LIMIT 1) AS x
-)
-SELECT count(*) FILTER (WHERE status = 'pending'),
-       count(*) FILTER (WHERE status = 'dead'),
-       (SELECT count(*) FROM wake)
-FROM reaped";
+pub const REAP: &str = "SELECT returned, dead FROM pgbus.reap($1)";
+
+/// Finds keys of ordered subscriptions with pending deliveries but no head, which must
+/// never happen, and promotes their oldest delivery. Parameter: `$1 int4` the most keys to
+/// repair. Returns one row per repair: subscription, key, event seq.
+pub const REPAIR: &str =
+    "SELECT subscription, ordering_key, event_seq FROM pgbus.promote_orphans($1)";
 
 /// Registers this bus in `pgbus.consumers`, or renews its heartbeat (keeping its awake
 /// flag). Parameters: `$1 text` worker id, `$2 int8` time to live in milliseconds,
@@ -444,6 +382,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("SETTLE", SETTLE),
     ("EXTEND", EXTEND),
     ("REAP", REAP),
+    ("REPAIR", REPAIR),
     ("CONSUMER_HEARTBEAT", CONSUMER_HEARTBEAT),
     ("CONSUMER_SLEEP", CONSUMER_SLEEP),
     ("CONSUMER_REMOVE", CONSUMER_REMOVE),

@@ -26,7 +26,8 @@ const MIN_CALLS: usize = 5;
 const COPY_TABLE: &str = "CREATE TEMP TABLE pgbus_copy (\
     id text, event_name text, event_version int4, source text, aggregate_type text, \
     aggregate_id text, correlation_id text, causation_id text, occurred_at timestamptz, \
-    payload text, headers text, deliver_at timestamptz, delay_ms int8) ON COMMIT DELETE ROWS";
+    payload text, headers text, deliver_at timestamptz, delay_ms int8, ordering_key text) \
+    ON COMMIT DELETE ROWS";
 const COPY_IN: &str = "COPY pgbus_copy FROM STDIN (FORMAT binary)";
 
 /// How a call publishes.
@@ -81,7 +82,7 @@ pub async fn publish_by_copy(
     tokio::pin!(writer);
     for e in events {
         let enc = e.encode(DEFAULT_MAX_PAYLOAD_BYTES)?;
-        let row: [&(dyn ToSql + Sync); 13] = [
+        let row: [&(dyn ToSql + Sync); 14] = [
             &e.id,
             &e.name,
             &e.version,
@@ -95,6 +96,7 @@ pub async fn publish_by_copy(
             &enc.headers,
             &e.deliver_at,
             &enc.delay_ms,
+            &e.ordering_key,
         ];
         writer.as_mut().write(&row).await?;
     }

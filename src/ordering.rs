@@ -1,0 +1,197 @@
+//! Ordered subscriptions: per-key order without blocking other keys.
+//!
+//! An ordered subscription delivers the events of one ordering key (by default the
+//! aggregate, `"type:id"`; see [`Event::ordering_key`](crate::Event::ordering_key)) one at
+//! a time, in the order their publishing transactions committed, while every other key
+//! keeps flowing. Only the oldest unfinished delivery of a key (its head) is claimable.
+//! A failing head backs off and only its key waits. A head that dies either blocks its key
+//! until an operator acts ([`DeadHeadPolicy::Block`], the default) or is skipped
+//! ([`DeadHeadPolicy::Skip`]).
+//!
+//! Order is kept per key across transactions that publish to it concurrently: fan-out and
+//! completion take a transaction-scoped advisory lock per (subscription, key), in sorted
+//! order. A transaction that publishes to several keys in separate statements should
+//! touch them in a consistent order (or publish them in one batch), as with any locks.
+
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::error::Result;
+use crate::publish::Executor;
+
+/// What an ordered subscription does when the head of a key becomes a dead letter.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeadHeadPolicy {
+    /// The key stops until an operator redrives or skips its dead head; every other key
+    /// flows (default).
+    #[default]
+    Block,
+    /// The dead head is set aside (still listed as a dead letter) and the key's next
+    /// delivery is promoted.
+    Skip,
+}
+
+impl DeadHeadPolicy {
+    pub(crate) fn as_sql(self) -> &'static str {
+        match self {
+            DeadHeadPolicy::Block => "block",
+            DeadHeadPolicy::Skip => "skip",
+        }
+    }
+}
+
+/// Makes a registered subscription ordered or unordered, with its dead-head policy.
+///
+/// Turning ordering off makes every waiting delivery claimable at once.
+///
+/// # Errors
+///
+/// [`Error::Database`](crate::Error::Database) when the statement fails.
+pub async fn set_ordering<C: Executor + ?Sized>(
+    client: &C,
+    subscription: &str,
+    ordered: bool,
+    on_dead: DeadHeadPolicy,
+) -> Result<()> {
+    let params: [(&(dyn ToSql + Sync), Type); 3] = [
+        (&subscription, Type::TEXT),
+        (&ordered, Type::BOOL),
+        (&on_dead.as_sql(), Type::TEXT),
+    ];
+    client
+        .client()
+        .query_typed(
+            "WITH old AS (
+               SELECT ordered FROM pgbus.subscriptions WHERE name = $1 FOR UPDATE
+             ),
+             changed AS (
+               UPDATE pgbus.subscriptions SET ordered = $2, on_dead = $3, updated_at = now()
+               WHERE name = $1 AND (ordered, on_dead) IS DISTINCT FROM ($2, $3)
+               RETURNING 1
+             )
+             UPDATE pgbus.deliveries
+             SET is_head = true, ordering_key = NULL, key_pos = NULL
+             WHERE subscription = $1 AND ordering_key IS NOT NULL
+               AND NOT $2 AND (SELECT ordered FROM old)",
+            &params,
+        )
+        .await?;
+    Ok(())
+}
+
+/// A key of an ordered subscription whose head is a dead letter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BlockedKey {
+    /// The subscription.
+    pub subscription: String,
+    /// The ordering key.
+    pub key: String,
+    /// The dead head's event id.
+    pub event_id: String,
+    /// The dead head's event name.
+    pub event_name: String,
+    /// Attempts the head used.
+    pub attempts: i32,
+    /// The head's last error.
+    pub last_error: Option<String>,
+    /// Deliveries of this key waiting behind it.
+    pub waiting: i64,
+}
+
+/// Lists keys blocked by a dead head (`on_dead = block`), optionally of one subscription.
+///
+/// # Errors
+///
+/// [`Error::Database`](crate::Error::Database) when the query fails.
+pub async fn blocked_keys<C: Executor + ?Sized>(
+    client: &C,
+    subscription: Option<&str>,
+) -> Result<Vec<BlockedKey>> {
+    let params: [(&(dyn ToSql + Sync), Type); 1] = [(&subscription, Type::TEXT)];
+    let rows = client
+        .client()
+        .query_typed(
+            "SELECT h.subscription, h.ordering_key, e.id, e.event_name, h.attempts, h.last_error,
+                    (SELECT count(*) FROM pgbus.deliveries AS w
+                     WHERE w.subscription = h.subscription AND w.ordering_key = h.ordering_key
+                       AND NOT w.is_head AND w.status = 'pending')
+             FROM pgbus.deliveries AS h
+             JOIN pgbus.events AS e ON e.seq = h.event_seq
+             WHERE h.status = 'dead' AND h.is_head AND h.ordering_key IS NOT NULL
+               AND ($1::text IS NULL OR h.subscription = $1)
+             ORDER BY h.subscription, h.ordering_key",
+            &params,
+        )
+        .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(BlockedKey {
+                subscription: r.try_get(0)?,
+                key: r.try_get(1)?,
+                event_id: r.try_get(2)?,
+                event_name: r.try_get(3)?,
+                attempts: r.try_get(4)?,
+                last_error: r.try_get(5)?,
+                waiting: r.try_get(6)?,
+            })
+        })
+        .collect()
+}
+
+/// Makes a key's head due now: a dead head goes back to pending with its attempts reset
+/// (its failure history is kept); a head backing off after a failure is retried at once.
+/// Returns whether the key had such a head.
+///
+/// # Errors
+///
+/// [`Error::Database`](crate::Error::Database) when the statement fails.
+pub async fn redrive_head<C: Executor + ?Sized>(
+    client: &C,
+    subscription: &str,
+    key: &str,
+) -> Result<bool> {
+    let params: [(&(dyn ToSql + Sync), Type); 2] =
+        [(&subscription, Type::TEXT), (&key, Type::TEXT)];
+    let rows = client
+        .client()
+        .query_typed(
+            "WITH redriven AS (
+               UPDATE pgbus.deliveries
+               SET attempts = CASE WHEN status = 'dead' THEN 0 ELSE attempts END,
+                   status = 'pending', available_at = now(),
+                   locked_until = NULL, locked_by = NULL
+               WHERE subscription = $1 AND ordering_key = $2 AND is_head
+                 AND status IN ('dead', 'pending')
+               RETURNING 1
+             )
+             SELECT count(*),
+                    (SELECT count(*) FROM (SELECT pg_notify('pgbus', '')
+                                           FROM redriven LIMIT 1) AS woke)
+             FROM redriven",
+            &params,
+        )
+        .await?;
+    Ok(rows.first().map(|r| r.get::<_, i64>(0)).unwrap_or(0) > 0)
+}
+
+/// Skips a key's dead head: it stays a dead letter (listed, replayable), and the key's
+/// next delivery becomes the head. Returns whether there was a dead head to skip.
+///
+/// # Errors
+///
+/// [`Error::Database`](crate::Error::Database) when the statement fails.
+pub async fn skip_head<C: Executor + ?Sized>(
+    client: &C,
+    subscription: &str,
+    key: &str,
+) -> Result<bool> {
+    let params: [(&(dyn ToSql + Sync), Type); 2] =
+        [(&subscription, Type::TEXT), (&key, Type::TEXT)];
+    let rows = client
+        .client()
+        .query_typed("SELECT skipped FROM pgbus.skip_dead_head($1, $2)", &params)
+        .await?;
+    Ok(!rows.is_empty())
+}

@@ -1,0 +1,632 @@
+//! Ordered subscriptions: per-key order without blocking other keys.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use pgbus::{
+    Bus, DeadHeadPolicy, Error, Event, HandlerError, RetryPolicy, RunningBus, SubscriptionOptions,
+};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+/// Registers the ordered subscription "o" without running a bus.
+async fn ordered_subscription(client: &tokio_postgres::Client) {
+    pgbus::admin::register_subscription(client, "o", &["*"], 25)
+        .await
+        .unwrap();
+    pgbus::ordering::set_ordering(client, "o", true, DeadHeadPolicy::Block)
+        .await
+        .unwrap();
+}
+
+fn ordered() -> SubscriptionOptions {
+    SubscriptionOptions::new().ordered(true)
+}
+
+/// Keys whose head count is not exactly one while they have pending deliveries.
+async fn head_violations(client: &tokio_postgres::Client) -> i64 {
+    count(
+        client,
+        "SELECT count(*) FROM (
+           SELECT 1 FROM pgbus.deliveries WHERE ordering_key IS NOT NULL
+           GROUP BY subscription, ordering_key
+           HAVING count(*) FILTER (WHERE is_head) <> 1
+              AND count(*) FILTER (WHERE status <> 'dead') > 0) AS v",
+    )
+    .await
+}
+
+/// Handler starts per key, in the order they happened: (n, attempt).
+type Starts = Arc<Mutex<HashMap<String, Vec<i64>>>>;
+
+struct Stress {
+    published: BTreeMap<String, i64>,
+    publish_errors: usize,
+    starts: HashMap<String, Vec<i64>>,
+    head_violations: i64,
+    drained: bool,
+}
+
+/// 8 publishers over 200 keys, 8 consumers, 20% of attempts failing with backoff, and
+/// leases taken away from running handlers now and then.
+async fn stress(db: &common::TestDb, key_locks: bool) -> Stress {
+    let mut config = db.config();
+    if !key_locks {
+        config.options("-c pgbus.key_locks=off");
+    }
+    let starts: Starts = Default::default();
+    let mut buses: Vec<RunningBus> = Vec::new();
+    for _ in 0..8 {
+        let s = starts.clone();
+        let bus = Bus::builder(config.clone())
+            .concurrency(4)
+            .batch_size(10)
+            .poll_interval(Duration::from_millis(200))
+            .pool_size(2)
+            .handler_fn_with(
+                "ordered",
+                ["*"],
+                ordered().retry(RetryPolicy::fixed(Duration::from_millis(15)).max_attempts(1000)),
+                move |e| {
+                    let key = format!(
+                        "{}:{}",
+                        e.aggregate_type.as_deref().unwrap_or_default(),
+                        e.aggregate_id.as_deref().unwrap_or_default()
+                    );
+                    let n = e.payload["n"].as_i64().unwrap_or(-1);
+                    s.lock().unwrap().entry(key).or_default().push(n);
+                    let fail = fastrand::u8(0..5) == 0;
+                    let slow = fastrand::u8(0..20) == 0;
+                    async move {
+                        if slow {
+                            tokio::time::sleep(Duration::from_millis(30)).await;
+                        }
+                        if fail {
+                            Err(HandlerError::new("chance"))
+                        } else {
+                            Ok(())
+                        }
+                    }
+                },
+            )
+            .build()
+            .unwrap()
+            .start()
+            .await
+            .unwrap();
+        buses.push(bus);
+    }
+
+    // Publishers: a key's transactions are serialized by the test (holding the key's
+    // mutex across commit) only when the locks are on, so that "publish order" is well
+    // defined; with the locks off they race freely.
+    let key_mutexes: Arc<Vec<tokio::sync::Mutex<i64>>> =
+        Arc::new((0..200).map(|_| tokio::sync::Mutex::new(0)).collect());
+    let publish_errors = Arc::new(Mutex::new(0usize));
+    let mut publishers = Vec::new();
+    for _ in 0..8 {
+        let (config, key_mutexes, publish_errors) =
+            (config.clone(), key_mutexes.clone(), publish_errors.clone());
+        publishers.push(tokio::spawn(async move {
+            let (mut client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+            tokio::spawn(connection);
+            for _ in 0..60 {
+                let mut keys: Vec<usize> = (0..fastrand::usize(1..=3))
+                    .map(|_| fastrand::usize(0..200))
+                    .collect();
+                keys.sort_unstable();
+                keys.dedup();
+                let mut guards = Vec::new();
+                if key_locks {
+                    for k in &keys {
+                        guards.push(key_mutexes[*k].lock().await);
+                    }
+                }
+                let tx = client.transaction().await.unwrap();
+                let mut events = Vec::new();
+                for (i, k) in keys.iter().enumerate() {
+                    let n = if key_locks {
+                        let g = &mut guards[i];
+                        let n = **g;
+                        **g += 1;
+                        n
+                    } else {
+                        -1
+                    };
+                    events.push(
+                        Event::new("step", json!({ "n": n })).aggregate("thing", k.to_string()),
+                    );
+                }
+                let r = pgbus::publish_batch(&tx, &events).await;
+                let ok = match r {
+                    Ok(_) => tx.commit().await.is_ok(),
+                    Err(_) => false,
+                };
+                if !ok {
+                    *publish_errors.lock().unwrap() += 1;
+                    if key_locks {
+                        // Keep the counters true: this transaction did not happen.
+                        for g in guards.iter_mut() {
+                            **g -= 1;
+                        }
+                    }
+                }
+            }
+        }));
+    }
+
+    // Meanwhile: take leases away from running handlers (as if they outlived them), and
+    // watch the head invariant.
+    let client = db.connect().await;
+    let mut violations = 0;
+    loop {
+        violations += head_violations(&client).await;
+        client
+            .batch_execute(
+                "UPDATE pgbus.deliveries SET locked_until = now() - interval '1 second' \
+                 WHERE status = 'processing' AND random() < 0.05",
+            )
+            .await
+            .unwrap();
+        if publishers.iter().all(|p| p.is_finished()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await; // sampling period
+    }
+    for p in publishers {
+        p.await.unwrap();
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+    let mut drained = false;
+    while tokio::time::Instant::now() < deadline {
+        violations += head_violations(&client).await;
+        if count(&client, "SELECT count(*) FROM pgbus.deliveries").await == 0 {
+            drained = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await; // sampling period
+    }
+    let mut repaired = 0;
+    for bus in buses {
+        repaired += bus.stats().repaired;
+        bus.shutdown().await.unwrap();
+    }
+    assert_eq!(repaired, 0);
+    let published = key_mutexes
+        .iter()
+        .enumerate()
+        .map(|(k, m)| (k.to_string(), *m.try_lock().unwrap()))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    let starts = starts.lock().unwrap().clone();
+    let publish_errors = *publish_errors.lock().unwrap();
+    Stress {
+        published,
+        publish_errors,
+        starts,
+        head_violations: violations,
+        drained,
+    }
+}
+
+/// Handler starts of one key must follow publish order: never a step ahead of one that
+/// has not completed. Re-runs of a step (failures, lost leases) repeat it in place.
+fn order_violations(starts: &HashMap<String, Vec<i64>>) -> usize {
+    let mut violations = 0;
+    for seen in starts.values() {
+        let mut max = -1;
+        for &n in seen {
+            if n > max + 1 || n < max {
+                violations += 1;
+            }
+            max = max.max(n);
+        }
+    }
+    violations
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_every_key_completes_in_publish_order() {
+    let db = common::test_db().await;
+    let s = stress(&db, true).await;
+    let runs: usize = s.starts.values().map(Vec::len).sum();
+    let events: i64 = s.published.values().sum();
+    println!(
+        "with key locks: {events} events over {} keys, {runs} handler runs",
+        s.published.len()
+    );
+    assert!(s.drained, "deliveries left behind");
+    assert_eq!(s.publish_errors, 0);
+    assert_eq!(s.head_violations, 0, "a key had two heads or none");
+    assert_eq!(order_violations(&s.starts), 0, "{:?}", s.starts);
+    for (key, n) in &s.published {
+        let mut seen: Vec<i64> = s.starts[&format!("thing:{key}")].clone();
+        seen.dedup();
+        assert_eq!(seen, (0..*n).collect::<Vec<_>>(), "key {key}");
+    }
+}
+
+/// Proof that the stress test can fail: without the per-key locks, publishers and
+/// completions race and the invariants break.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_without_the_key_locks_detects_violations() {
+    let db = common::test_db().await;
+    let s = stress(&db, false).await;
+    let found = s.publish_errors as i64 + s.head_violations + i64::from(!s.drained);
+    println!(
+        "without key locks: {} failed publishes, {} head violations, drained: {}, order violations: {}",
+        s.publish_errors,
+        s.head_violations,
+        s.drained,
+        order_violations(&s.starts)
+    );
+    assert!(
+        found > 0,
+        "no violation detected: errors {}, head violations {}, drained {}",
+        s.publish_errors,
+        s.head_violations,
+        s.drained
+    );
+}
+
+#[tokio::test]
+async fn a_backing_off_key_waits_alone_and_resumes_in_order_after_a_redrive() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let seen: Arc<Mutex<Vec<(String, i64)>>> = Default::default();
+    let s = seen.clone();
+    let failed_once = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let running = Bus::builder(db.config())
+        .concurrency(8)
+        .handler_fn_with("o", ["*"], ordered(), move |e| {
+            let key = e.ordering_key.clone().unwrap_or_default();
+            let n = e.payload["n"].as_i64().unwrap();
+            s.lock().unwrap().push((key.clone(), n));
+            let fail = key == "A"
+                && n == 0
+                && !failed_once.swap(true, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                if fail {
+                    Err(HandlerError::retry_after(
+                        "not now",
+                        Duration::from_secs(3600),
+                    ))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let a: Vec<Event> = (0..5)
+        .map(|n| Event::new("a", json!({ "n": n })).ordering_key("A"))
+        .collect();
+    pgbus::publish_batch(&client, &a).await.unwrap();
+    let others: Vec<Event> = (0..1000)
+        .map(|i| Event::new("b", json!({ "n": i / 50 })).ordering_key(format!("K{}", i % 50)))
+        .collect();
+    pgbus::publish_batch(&client, &others).await.unwrap();
+    common::wait_for("the other keys to drain", WAIT, || async {
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE ordering_key <> 'A'",
+        )
+        .await
+            == 0
+    })
+    .await;
+    // A's head backs off for an hour; its followers were never started.
+    let a_runs: Vec<i64> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k == "A")
+        .map(|(_, n)| *n)
+        .collect();
+    assert_eq!(a_runs, vec![0]);
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE ordering_key = 'A' AND attempts = 0 AND NOT is_head"
+        )
+        .await,
+        4
+    );
+    // The operator retries it now: A runs in order.
+    seen.lock().unwrap().clear();
+    assert!(
+        pgbus::ordering::redrive_head(&client, "o", "A")
+            .await
+            .unwrap()
+    );
+    common::wait_for("A to drain", WAIT, || async {
+        count(&client, "SELECT count(*) FROM pgbus.deliveries").await == 0
+    })
+    .await;
+    let a_runs: Vec<i64> = seen.lock().unwrap().iter().map(|(_, n)| *n).collect();
+    assert_eq!(a_runs, vec![0, 1, 2, 3, 4]);
+    running.shutdown().await.unwrap();
+}
+
+async fn dead_head_case(
+    policy: DeadHeadPolicy,
+) -> (Vec<i64>, tokio_postgres::Client, common::TestDb, RunningBus) {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let seen: Arc<Mutex<Vec<i64>>> = Default::default();
+    let s = seen.clone();
+    let running = Bus::builder(db.config())
+        .handler_fn_with("o", ["*"], ordered().on_dead(policy), move |e| {
+            let n = e.payload["n"].as_i64().unwrap();
+            s.lock().unwrap().push(n);
+            async move {
+                if n == 1 {
+                    Err(HandlerError::permanent("poison"))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let events: Vec<Event> = (0..4)
+        .map(|n| Event::new("x", json!({ "n": n })).aggregate("order", "7"))
+        .collect();
+    pgbus::publish_batch(&client, &events).await.unwrap();
+    pgbus::publish(
+        &client,
+        &Event::new("x", json!({ "n": 100 })).aggregate("order", "8"),
+    )
+    .await
+    .unwrap();
+    common::wait_for("the dead head", WAIT, || async {
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead'",
+        )
+        .await
+            == 1
+    })
+    .await;
+    common::wait_for("the other key", WAIT, || async {
+        seen.lock().unwrap().contains(&100)
+    })
+    .await;
+    let seen_now = seen.lock().unwrap().clone();
+    (seen_now, client, db, running)
+}
+
+#[tokio::test]
+async fn a_dead_head_blocks_only_its_key_until_skipped() {
+    let (_, client, _db, running) = dead_head_case(DeadHeadPolicy::Block).await;
+    let blocked = pgbus::ordering::blocked_keys(&client, Some("o"))
+        .await
+        .unwrap();
+    assert_eq!(blocked.len(), 1);
+    assert_eq!(blocked[0].key, "order:7");
+    assert_eq!(blocked[0].waiting, 2);
+    assert_eq!(blocked[0].last_error.as_deref(), Some("poison"));
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'pending'"
+        )
+        .await,
+        2
+    );
+    // The operator skips it: the key resumes; the dead letter stays listed.
+    assert!(
+        pgbus::ordering::skip_head(&client, "o", "order:7")
+            .await
+            .unwrap()
+    );
+    common::wait_for("the key to resume", WAIT, || async {
+        count(&client, "SELECT count(*) FROM pgbus.deliveries").await == 1
+    })
+    .await;
+    assert!(
+        pgbus::ordering::blocked_keys(&client, None)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead' AND NOT is_head"
+        )
+        .await,
+        1
+    );
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_dead_head_under_skip_lets_its_key_go_on() {
+    let (_, client, _db, running) = dead_head_case(DeadHeadPolicy::Skip).await;
+    common::wait_for("the rest of the key", WAIT, || async {
+        count(&client, "SELECT count(*) FROM pgbus.deliveries").await == 1
+    })
+    .await;
+    assert!(
+        pgbus::ordering::blocked_keys(&client, None)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stale_ack_promotes_nothing() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut bus = Bus::builder(db.config())
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let mut stream = bus.subscribe_with("o", ["*"], ordered()).unwrap();
+    let running = bus.start().await.unwrap();
+    let events: Vec<Event> = (0..2)
+        .map(|n| Event::new("x", json!({ "n": n })).ordering_key("k"))
+        .collect();
+    pgbus::publish_batch(&client, &events).await.unwrap();
+    let first = common::within("the head", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!(first.event().payload["n"], 0);
+    client
+        .batch_execute("UPDATE pgbus.deliveries SET locked_until = now() - interval '1 second' WHERE status = 'processing'")
+        .await
+        .unwrap();
+    let again = common::within("the same head again", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!(again.event().payload["n"], 0);
+    assert_eq!(again.attempt(), 2);
+    assert!(matches!(first.ack().await, Err(Error::LeaseLost)));
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE is_head"
+        )
+        .await,
+        1,
+        "a stale ack promoted the next delivery"
+    );
+    again.ack().await.unwrap();
+    let next = common::within("the next", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!(next.event().payload["n"], 1);
+    next.ack().await.unwrap();
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishers_locking_keys_in_opposite_orders_never_deadlock() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    ordered_subscription(&client).await;
+    let mut tasks = Vec::new();
+    for order in [["a", "b"], ["b", "a"]] {
+        let config = db.config();
+        tasks.push(tokio::spawn(async move {
+            let (mut c, conn) = config.connect(tokio_postgres::NoTls).await.unwrap();
+            tokio::spawn(conn);
+            for i in 0..200 {
+                let tx = c.transaction().await.unwrap();
+                let events: Vec<Event> = order
+                    .iter()
+                    .map(|k| Event::new("x", json!(i)).ordering_key(*k))
+                    .collect();
+                pgbus::publish_batch(&tx, &events).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        common::within("the publishers", WAIT, t).await.unwrap();
+    }
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pgbus.deliveries").await,
+        800
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE is_head"
+        )
+        .await,
+        2
+    );
+}
+
+#[tokio::test]
+async fn turning_ordering_off_frees_every_waiting_delivery() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    ordered_subscription(&client).await;
+    let events: Vec<Event> = (0..5)
+        .map(|n| Event::new("x", json!(n)).ordering_key("k"))
+        .collect();
+    pgbus::publish_batch(&client, &events).await.unwrap();
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE is_head"
+        )
+        .await,
+        1
+    );
+    pgbus::ordering::set_ordering(&client, "o", false, DeadHeadPolicy::Block)
+        .await
+        .unwrap();
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE is_head"
+        )
+        .await,
+        5
+    );
+}
+
+#[tokio::test]
+async fn the_claim_uses_its_index_with_a_deep_ordered_backlog() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    ordered_subscription(&client).await;
+    // 1,200,000 pending deliveries over 100,000 keys: key 0 is 200,000 deep, every other
+    // key 10; 2,000 heads are dead (blocked) or in flight.
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.deliveries (subscription, event_seq, ordering_key, is_head, key_pos)
+             SELECT 'o', i, 'k0', i = 1, i FROM generate_series(1, 200000) AS i;
+             INSERT INTO pgbus.deliveries (subscription, event_seq, ordering_key, is_head, key_pos)
+             SELECT 'o', 200000 + i, 'k' || (1 + (i - 1) / 10), (i - 1) % 10 = 0, i
+             FROM generate_series(1, 999990) AS i;
+             UPDATE pgbus.deliveries SET status = CASE WHEN event_seq % 2 = 0 THEN 'dead' ELSE 'processing' END,
+                    locked_until = now() + interval '1 hour'
+             WHERE is_head AND event_seq IN (SELECT event_seq FROM pgbus.deliveries WHERE is_head ORDER BY event_seq LIMIT 2000);
+             ANALYZE pgbus.deliveries;",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pgbus.deliveries").await,
+        1_199_990
+    );
+    let names = vec!["o"];
+    let quotas = vec![100_i32];
+    let rows = client
+        .query(
+            &format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", pgbus::sql::CLAIM),
+            &[&names, &quotas, &100_i64, &60_000_f64, &"w", &4_i64],
+        )
+        .await
+        .unwrap();
+    let plan: serde_json::Value = rows[0].get(0);
+    let text = plan.to_string();
+    assert!(
+        text.contains("\"Index Name\":\"deliveries_claim_idx\""),
+        "the claim does not use its index: {text}"
+    );
+    let ms = plan[0]["Execution Time"].as_f64().unwrap();
+    println!("claim of 100 with 1.2M pending over 100k keys: {ms:.3} ms");
+}
