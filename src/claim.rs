@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
+use serde_json::Value;
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
 use tracing::Instrument;
@@ -108,13 +109,19 @@ async fn claim(
             correlation_id: row.try_get(10)?,
             causation_id: row.try_get(11)?,
             occurred_at: Some(row.try_get(12)?),
-            payload: row.try_get(13)?,
-            headers: row.try_get(14)?,
+            payload: Value::Null,
+            headers: Value::Null,
             deliver_at: None,
             delay: None,
             created_at: Some(row.try_get(15)?),
             ordering_key: row.try_get(16)?,
         };
+        // A payload this library cannot decode (written by SQL past the validation in
+        // Event::encode) must not fail the whole claim: that delivery alone is
+        // dead-lettered with the reason, and the rest of the batch is handed out.
+        let decoded = row
+            .try_get::<_, Value>(13)
+            .and_then(|p| Ok((p, row.try_get::<_, Value>(14)?)));
         let seq = event.seq.unwrap_or_default();
         // The claimer is the only one that acquires, and asked for no more than were
         // free, so this cannot fail; were it to, the delivery simply holds no permit.
@@ -126,7 +133,26 @@ async fn claim(
             .expect("held lock")
             .insert((sub.name.clone(), seq), attempt);
         *per_sub.entry(sub.name.clone()).or_default() += 1;
-        deliveries.push(Delivery::new(event, attempt, sub, shared.clone(), permit));
+        let mut delivery = Delivery::new(event, attempt, sub, shared.clone(), permit);
+        match decoded {
+            Ok((payload, headers)) => {
+                delivery.event.payload = payload;
+                delivery.event.headers = headers;
+                deliveries.push(delivery);
+            }
+            Err(e) => {
+                tracing::error!(
+                    pgbus.event_seq = seq,
+                    error = %e,
+                    "pgbus cannot decode an event; dead-lettering its delivery"
+                );
+                delivery.settle_nowait(Action::Fail {
+                    error: format!("the event cannot be decoded: {e}"),
+                    delay: Duration::ZERO,
+                    permanent: true,
+                });
+            }
+        }
     }
     Ok(Claimed {
         deliveries,

@@ -11,6 +11,11 @@ use crate::error::{Error, Result};
 /// The longest event name, subscription name or event id, in bytes.
 pub const MAX_NAME_BYTES: usize = 255;
 
+/// The deepest nesting of arrays and objects accepted in a payload or headers: 127, the
+/// most that a reader using serde_json's default recursion limit (tokio-postgres among
+/// them) can decode.
+pub const MAX_JSON_DEPTH: usize = 127;
+
 /// The default limit on an event's payload, in bytes of JSON text: 1 MiB.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
@@ -204,6 +209,38 @@ impl Event {
                 ),
             ));
         }
+        for (what, text) in [
+            ("event id", Some(self.id.as_str())),
+            ("source", self.source.as_deref()),
+            ("aggregate type", self.aggregate_type.as_deref()),
+            ("aggregate id", self.aggregate_id.as_deref()),
+            ("correlation id", self.correlation_id.as_deref()),
+            ("causation id", self.causation_id.as_deref()),
+            ("ordering key", self.ordering_key.as_deref()),
+        ] {
+            if text.is_some_and(|t| t.contains('\0')) {
+                return Err(Error::invalid(
+                    what,
+                    "contains \\u0000, which PostgreSQL text cannot store",
+                ));
+            }
+        }
+        for (what, text) in [
+            ("event id", Some(self.id.as_str())),
+            ("source", self.source.as_deref()),
+            ("aggregate type", self.aggregate_type.as_deref()),
+            ("aggregate id", self.aggregate_id.as_deref()),
+            ("correlation id", self.correlation_id.as_deref()),
+            ("causation id", self.causation_id.as_deref()),
+            ("ordering key", self.ordering_key.as_deref()),
+        ] {
+            if text.is_some_and(|t| t.contains('\0')) {
+                return Err(Error::invalid(
+                    what,
+                    "contains \\u0000, which PostgreSQL text cannot store",
+                ));
+            }
+        }
         if !self.headers.is_object() {
             return Err(Error::invalid(
                 "headers",
@@ -215,6 +252,14 @@ impl Event {
         }
         check_no_nul("payload", &self.payload)?;
         check_no_nul("headers", &self.headers)?;
+        for (what, value) in [("payload", &self.payload), ("headers", &self.headers)] {
+            if too_deep(value, MAX_JSON_DEPTH) {
+                return Err(Error::invalid(
+                    what,
+                    format!("nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"),
+                ));
+            }
+        }
         let payload = serde_json::to_string(&self.payload)
             .map_err(|e| Error::invalid("payload", e.to_string()))?;
         if payload.len() > max_payload_bytes {
@@ -347,6 +392,15 @@ fn check_no_nul(what: &'static str, value: &Value) -> Result<()> {
     }
 }
 
+/// Whether `value` nests containers deeper than `levels`.
+fn too_deep(value: &Value, levels: usize) -> bool {
+    match value {
+        Value::Array(items) => levels == 0 || items.iter().any(|v| too_deep(v, levels - 1)),
+        Value::Object(map) => levels == 0 || map.values().any(|v| too_deep(v, levels - 1)),
+        _ => false,
+    }
+}
+
 fn is_plain_key(k: &str) -> bool {
     !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
@@ -409,6 +463,28 @@ mod tests {
         assert!(!pattern_matches("order.*", "orders.placed"));
         assert!(pattern_matches("order.placed", "order.placed"));
         assert!(!pattern_matches("order.placed", "order.placed.v2"));
+    }
+
+    #[test]
+    fn nesting_is_limited_to_what_readers_can_decode() {
+        let nest = |n: usize| {
+            let mut v = json!(1);
+            for _ in 0..n {
+                v = Value::Array(vec![v]);
+            }
+            v
+        };
+        assert!(
+            Event::new("a", nest(127))
+                .encode(DEFAULT_MAX_PAYLOAD_BYTES)
+                .is_ok()
+        );
+        let err = Event::new("a", nest(128))
+            .encode(DEFAULT_MAX_PAYLOAD_BYTES)
+            .unwrap_err();
+        assert!(err.to_string().contains("deeper than 127"), "{err}");
+        let text = serde_json::to_string(&nest(127)).unwrap();
+        assert!(serde_json::from_str::<Value>(&text).is_ok());
     }
 
     #[test]

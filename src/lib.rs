@@ -54,7 +54,9 @@ pub use bus::{
 pub use claim::ClaimStream;
 pub use dispatch::{Handler, SubscriptionOptions};
 pub use error::{Error, HandlerError, Result};
-pub use event::{DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_NAME_BYTES, pattern_matches};
+pub use event::{
+    DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_JSON_DEPTH, MAX_NAME_BYTES, pattern_matches,
+};
 pub use ordering::DeadHeadPolicy;
 pub use publish::{Executor, Published, Publisher, publish, publish_batch};
 pub use retry::{
