@@ -318,8 +318,28 @@ BEGIN
 END
 $$;
 
+-- Gives each of these (subscription, key) pairs a head if it has pending deliveries and
+-- none: its oldest is promoted. Used after dead letters of a key come back (an operator's
+-- retry) and by the repair check. Returns the promoted deliveries.
+CREATE FUNCTION pgbus.ensure_heads(subs text[], keys text[])
+RETURNS TABLE (subscription text, ordering_key text, event_seq bigint)
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pgbus.lock_keys(subs, keys);
+    RETURN QUERY
+    UPDATE pgbus.deliveries AS d SET is_head = true
+    FROM (SELECT DISTINCT t.s, t.k FROM unnest(subs, keys) AS t(s, k)
+          WHERE t.k IS NOT NULL) AS o
+    WHERE d.subscription = o.s
+      AND d.event_seq = pgbus.next_of_key(o.s, o.k)
+      AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS h
+                      WHERE h.subscription = o.s AND h.ordering_key = o.k AND h.is_head)
+    RETURNING d.subscription, d.ordering_key, d.event_seq;
+END
+$$;
+
 -- Keys of ordered subscriptions that have pending deliveries but no head. This must never
--- happen; the bus checks for it now and then and repairs it (promote_orphans).
+-- happen; the bus checks for it now and then and repairs it.
 CREATE FUNCTION pgbus.promote_orphans(max_keys integer)
 RETURNS TABLE (subscription text, ordering_key text, event_seq bigint)
 LANGUAGE plpgsql AS $$
@@ -336,22 +356,7 @@ BEGIN
     IF v_subs IS NULL THEN
         RETURN;
     END IF;
-    PERFORM pgbus.lock_keys(v_subs, v_keys);
-    RETURN QUERY
-    UPDATE pgbus.deliveries AS d SET is_head = true
-    FROM unnest(v_subs, v_keys) AS o(subscription, ordering_key)
-    CROSS JOIN LATERAL (
-      SELECT n.event_seq FROM pgbus.deliveries AS n
-      WHERE n.subscription = o.subscription AND n.ordering_key = o.ordering_key
-        AND n.status = 'pending'
-        AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS h
-                        WHERE h.subscription = o.subscription AND h.ordering_key = o.ordering_key
-                          AND h.is_head)
-      ORDER BY n.key_pos, n.event_seq
-      LIMIT 1
-    ) AS nx
-    WHERE d.subscription = o.subscription AND d.event_seq = nx.event_seq
-    RETURNING d.subscription, d.ordering_key, d.event_seq;
+    RETURN QUERY SELECT * FROM pgbus.ensure_heads(v_subs, v_keys);
 END
 $$;
 

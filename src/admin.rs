@@ -342,6 +342,10 @@ pub async fn count_dead_letters<C: Executor + ?Sized>(
 /// Puts dead letters back to pending, due now, with their attempts reset to 0; their
 /// failure history is kept. Wakes the listening buses. Returns how many were retried.
 ///
+/// In an ordered subscription a retried dead head is the head again; a retried dead
+/// letter that had been skipped waits behind its key's head, or becomes the head of a key
+/// that has none.
+///
 /// # Errors
 ///
 /// As [`dead_letters`].
@@ -354,6 +358,16 @@ pub async fn retry_dead_letters<C: Executor + ?Sized>(
         .client()
         .query_one(sql::DEAD_RETRY, &[&filter.subscription, &filter.event_id])
         .await?;
+    // Skipped dead letters of ordered subscriptions come back behind their key's head;
+    // a key that has none gets one (a statement of its own: it must see the retry).
+    let subs: Option<Vec<String>> = row.try_get(2)?;
+    let keys: Option<Vec<String>> = row.try_get(3)?;
+    if let (Some(subs), Some(keys)) = (subs, keys) {
+        client
+            .client()
+            .query(sql::ENSURE_HEADS, &[&subs, &keys])
+            .await?;
+    }
     Ok(row.try_get::<_, i64>(0)? as u64)
 }
 

@@ -225,7 +225,10 @@ WHERE d.status = 'dead'
 
 /// Puts dead letters back to pending, due now, with their attempts reset to 0 and no
 /// lease; their failure history is kept. Notifies the listening buses when any was
-/// retried. Parameters as [`DEAD_COUNT`]. Returns one row: how many were retried.
+/// retried. Parameters as [`DEAD_COUNT`]. Returns one row: how many were retried, how
+/// many notifications it sent (0 or 1), and the subscriptions and keys of retried
+/// deliveries of ordered subscriptions that had been skipped (not heads): their keys may
+/// need a head ([`ENSURE_HEADS`]).
 pub const DEAD_RETRY: &str = "\
 WITH retried AS (
   UPDATE pgbus.deliveries AS d
@@ -234,12 +237,20 @@ WITH retried AS (
   WHERE d.status = 'dead'
     AND ($1::text IS NULL OR d.subscription = $1)
     AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
-  RETURNING 1
+  RETURNING d.subscription, d.ordering_key, d.is_head
 ),
 wake AS (
   SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM retried LIMIT 1) AS x
 )
-SELECT (SELECT count(*) FROM retried), (SELECT count(*) FROM wake)";
+SELECT (SELECT count(*) FROM retried), (SELECT count(*) FROM wake),
+       (SELECT array_agg(subscription) FROM retried WHERE ordering_key IS NOT NULL AND NOT is_head),
+       (SELECT array_agg(ordering_key) FROM retried WHERE ordering_key IS NOT NULL AND NOT is_head)";
+
+/// Gives keys of ordered subscriptions a head where they have pending deliveries and none
+/// (after an operator brings skipped dead letters back). Parameters: `$1 text[]`
+/// subscriptions, `$2 text[]` keys. Returns the promoted deliveries.
+pub const ENSURE_HEADS: &str =
+    "SELECT subscription, ordering_key, event_seq FROM pgbus.ensure_heads($1, $2)";
 
 /// Deletes dead letters and their failure history. Parameters as [`DEAD_COUNT`].
 /// Returns one row: deliveries deleted, history rows deleted.
@@ -383,6 +394,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("EXTEND", EXTEND),
     ("REAP", REAP),
     ("REPAIR", REPAIR),
+    ("ENSURE_HEADS", ENSURE_HEADS),
     ("CONSUMER_HEARTBEAT", CONSUMER_HEARTBEAT),
     ("CONSUMER_SLEEP", CONSUMER_SLEEP),
     ("CONSUMER_REMOVE", CONSUMER_REMOVE),
