@@ -51,6 +51,9 @@ enum Command {
     /// List, retry or purge dead letters.
     #[command(subcommand)]
     Dead(cli::admin::DeadCommand),
+    /// List the keys of ordered subscriptions blocked by a dead head; redrive or skip it.
+    #[command(subcommand)]
+    Keys(cli::keys::KeysCommand),
     /// Deliver events still in the log to a subscription again.
     Replay(cli::admin::ReplayArgs),
     /// List or drop subscriptions.
@@ -86,6 +89,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Consume(args) => cli::consume::run(args, url).await,
         Command::Status(args) => cli::status::run(args, url).await,
         Command::Dead(command) => cli::admin::dead(command, url).await,
+        Command::Keys(command) => cli::keys::keys(command, url).await,
         Command::Replay(args) => cli::admin::replay(args, url).await,
         Command::Subscriptions(command) => cli::admin::subscriptions(command, url).await,
         Command::Sweep(args) => cli::admin::sweep(args, url).await,

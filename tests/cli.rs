@@ -89,6 +89,9 @@ async fn unknown_arguments_are_refused_with_exit_2_and_every_command_has_example
         &["replay"],
         &["subscriptions", "list"],
         &["subscriptions", "drop"],
+        &["keys", "list"],
+        &["keys", "redrive"],
+        &["keys", "skip"],
         &["sweep"],
         &["demo"],
     ] {
@@ -884,4 +887,79 @@ async fn demo_runs_on_a_throwaway_cluster_and_removes_it() {
         !std::path::Path::new(dir.trim()).exists(),
         "{dir} is still there"
     );
+}
+
+#[tokio::test]
+async fn keys_lists_a_blocked_key_and_skip_lets_it_go_on() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    // An ordered consumer whose command fails for one event only: that head dies and
+    // blocks its key, while the other key flows.
+    let events = [
+        ("order:1", 0),
+        ("order:1", 1),
+        ("order:1", 2),
+        ("order:2", 0),
+    ];
+    let lines: Vec<String> = events
+        .iter()
+        .map(|(key, n)| json!({"key": key, "n": n}).to_string())
+        .collect();
+    let consumer = Consumer::start(
+        &db,
+        &[
+            "-s",
+            "o",
+            "-p",
+            "*",
+            "--ordered",
+            "--max-attempts",
+            "1",
+            "--exec",
+            "grep -q '\"n\":1' && exit 1; cat",
+        ],
+    )
+    .await;
+    for ((key, _), line) in events.iter().zip(&lines) {
+        pgbus::publish(
+            &client,
+            &pgbus::Event::new("o.x", serde_json::from_str(line).unwrap()).ordering_key(*key),
+        )
+        .await
+        .unwrap();
+    }
+    wait_count(
+        &client,
+        "the dead head",
+        "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead'",
+        1,
+    )
+    .await;
+    wait_count(
+        &client,
+        "the other key",
+        "SELECT count(*) FROM pgbus.deliveries WHERE ordering_key = 'order:2'",
+        0,
+    )
+    .await;
+    let out = run(pgbus_on(&db), &["keys", "list", "--json"]).await.ok();
+    let listed = out.json();
+    assert_eq!(listed[0]["key"], "order:1", "{listed}");
+    assert_eq!(listed[0]["waiting"], 1, "{listed}");
+    let out = run(pgbus_on(&db), &["status", "--json"]).await.ok();
+    assert_eq!(out.json()["subscriptions"][0]["blocked_keys"], 1);
+    let out = run(pgbus_on(&db), &["keys", "skip", "o", "order:1"])
+        .await
+        .ok();
+    assert!(out.stdout.contains("skipped"), "{out:?}");
+    wait_count(
+        &client,
+        "the rest of the key",
+        "SELECT count(*) FROM pgbus.deliveries WHERE status <> 'dead'",
+        0,
+    )
+    .await;
+    let out = run(pgbus_on(&db), &["keys", "skip", "o", "order:1"]).await;
+    assert_eq!(out.code, 1, "{out:?}");
+    assert_eq!(consumer.terminate().await, 0);
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use pgbus::{Bus, Delivery, HandlerError, RetryPolicy};
+use pgbus::{Bus, DeadHeadPolicy, Delivery, HandlerError, RetryPolicy, SubscriptionOptions};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -79,6 +79,22 @@ pub(crate) struct ConsumeArgs {
     /// How long a graceful stop waits for deliveries in progress.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     shutdown_timeout: Duration,
+    /// Deliver each ordering key's events one at a time, in the order they committed
+    /// (the key: the event's ordering key, else its aggregate "type:id").
+    #[arg(long)]
+    ordered: bool,
+    /// With --ordered: what a key's dead head does (block the key, or skip the head).
+    #[arg(long, value_enum, default_value_t = OnDead::Block, requires = "ordered")]
+    on_dead: OnDead,
+}
+
+/// `--on-dead`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum OnDead {
+    /// The key stops until `pgbus keys redrive` or `pgbus keys skip`.
+    Block,
+    /// The dead head is set aside (listed by `pgbus dead list`) and the key goes on.
+    Skip,
 }
 
 /// What the consumer did, reported when it stops.
@@ -117,7 +133,17 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         builder = builder.listen_config(listen);
     }
     let mut bus = builder.build()?;
-    let subscription = bus.subscribe(&args.subscription, args.patterns.clone())?;
+    let on_dead = match args.on_dead {
+        OnDead::Block => DeadHeadPolicy::Block,
+        OnDead::Skip => DeadHeadPolicy::Skip,
+    };
+    let subscription = bus.subscribe_with(
+        &args.subscription,
+        args.patterns.clone(),
+        SubscriptionOptions::new()
+            .ordered(args.ordered)
+            .on_dead(on_dead),
+    )?;
     let running = bus.start().await?;
     let stop = super::shutdown_signal()?;
     eprintln!(

@@ -4,6 +4,7 @@
 pub(crate) mod admin;
 pub(crate) mod consume;
 pub(crate) mod demo;
+pub(crate) mod keys;
 pub(crate) mod publish;
 pub(crate) mod status;
 

@@ -1,5 +1,6 @@
 //! `pgbus status`: the state of every subscription, once or refreshed in place.
 
+use std::collections::HashMap;
 use std::io::{IsTerminal as _, Write as _};
 use std::time::Duration;
 
@@ -61,16 +62,24 @@ pub(crate) async fn run(args: StatusArgs, url: Option<&str>) -> Result<(), Failu
     }
 }
 
-async fn read(client: &tokio_postgres::Client, only: Option<&str>) -> Result<Status, Failure> {
+/// The status, and per subscription the keys blocked by a dead head (ordered ones).
+type Read = (Status, HashMap<String, i64>);
+
+async fn read(client: &tokio_postgres::Client, only: Option<&str>) -> Result<Read, Failure> {
     let mut status = admin::status(client).await?;
     if let Some(name) = only {
         let one = admin::subscription_status(client, name).await?;
         status.subscriptions = vec![one];
     }
-    Ok(status)
+    let mut blocked: HashMap<String, i64> = HashMap::new();
+    for key in pgbus::ordering::blocked_keys(client, only).await? {
+        *blocked.entry(key.subscription).or_default() += 1;
+    }
+    Ok((status, blocked))
 }
 
-fn show(status: &Status, as_json: bool) {
+fn show((status, blocked): &Read, as_json: bool) {
+    let blocked_of = |name: &str| blocked.get(name).copied().unwrap_or(0);
     if as_json {
         let subs: Vec<_> = status
             .subscriptions
@@ -84,6 +93,7 @@ fn show(status: &Status, as_json: bool) {
                     "due": s.due,
                     "processing": s.processing,
                     "dead": s.dead,
+                    "blocked_keys": blocked_of(&s.name),
                     "lag_seconds": s.oldest_due_age.map(|d| d.as_secs_f64()),
                     "done_last_minute": s.done_last_minute,
                     "consumers": s.consumers,
@@ -109,6 +119,7 @@ fn show(status: &Status, as_json: bool) {
                 s.due.to_string(),
                 s.processing.to_string(),
                 s.dead.to_string(),
+                blocked_of(&s.name).to_string(),
                 s.oldest_due_age.map_or("-".into(), human_duration),
                 s.done_last_minute.to_string(),
                 s.consumers.to_string(),
@@ -127,6 +138,7 @@ fn show(status: &Status, as_json: bool) {
                     "DUE",
                     "PROCESSING",
                     "DEAD",
+                    "BLOCKED",
                     "LAG",
                     "DONE/1M",
                     "CONSUMERS",
