@@ -121,8 +121,9 @@ pub struct BenchArgs {
 
     /// The bus's own transactions (claims, acknowledgements) with this
     /// `synchronous_commit`: `on` waits for each one's WAL flush, `off` does not
-    /// (at-least-once delivery allows it: a lost acknowledgement is redelivered).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set,
+    /// (at-least-once delivery allows it: a lost acknowledgement is redelivered). Default:
+    /// the bus's default, off.
+    #[arg(long, default_value_t = crate::DEFAULT_SYNCHRONOUS_COMMIT, action = clap::ArgAction::Set,
           value_parser = clap::builder::BoolishValueParser::new(), value_name = "on|off")]
     pub bus_synchronous_commit: bool,
 
@@ -160,6 +161,10 @@ pub struct Knobs {
     /// throughput, mixed, memory: deliveries handled at once by the bus.
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
+    /// throughput: make the subscriptions ordered, with the events spread over this many
+    /// ordering keys (0: unordered).
+    #[arg(long, default_value_t = 0)]
+    pub ordered_keys: u64,
 
     /// publish: events per transaction.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 10, 100, 1000])]
@@ -724,19 +729,44 @@ pub async fn seed_backlog(
     event_name: &str,
     events: u64,
 ) -> Result<()> {
+    seed_keyed_backlog(client, subscriptions, event_name, events, 0).await
+}
+
+/// [`seed_backlog`] for ordered subscriptions: with `keys` > 0 the subscriptions are
+/// ordered and the events spread round-robin over that many ordering keys.
+///
+/// # Errors
+///
+/// As [`seed_backlog`].
+pub async fn seed_keyed_backlog(
+    client: &Client,
+    subscriptions: &[String],
+    event_name: &str,
+    events: u64,
+    keys: u64,
+) -> Result<()> {
     for name in subscriptions {
         crate::admin::register_subscription(client, name, &[event_name], 25).await?;
+        crate::ordering::set_ordering(
+            client,
+            name,
+            keys > 0,
+            crate::ordering::DeadHeadPolicy::Block,
+        )
+        .await?;
     }
+    let keys = keys as i64;
     let chunk = 100_000u64;
     let mut from = 1u64;
     while from <= events {
         let to = (from + chunk - 1).min(events);
         client
             .execute(
-                "INSERT INTO pgbus.events (event_name, payload) \
-                 SELECT $1, jsonb_build_object('i', g, 'kind', 'bench') \
+                "INSERT INTO pgbus.events (event_name, payload, ordering_key) \
+                 SELECT $1, jsonb_build_object('i', g, 'kind', 'bench'), \
+                        CASE WHEN $4::int8 > 0 THEN 'k' || (g % $4::int8) END \
                  FROM generate_series($2::int8, $3::int8) AS g",
-                &[&event_name, &(from as i64), &(to as i64)],
+                &[&event_name, &(from as i64), &(to as i64), &keys],
             )
             .await?;
         from = to + 1;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::{BenchArgs, Report, Runs, Server, seed_backlog};
+use super::{BenchArgs, Report, Runs, Server, seed_keyed_backlog};
 use crate::error::{Error, Result};
 
 /// The default backlog.
@@ -45,6 +45,13 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
             case.insert("backlog".into(), json!(backlog));
             case.insert("fan_out".into(), json!(fan_out));
             case.insert("concurrency".into(), json!(args.knobs.concurrency));
+            case.insert("ordered_keys".into(), json!(args.knobs.ordered_keys));
+            if args.knobs.ordered_keys > 0 {
+                text.push_str(&format!(
+                    "ordered, {} ordering keys: ",
+                    args.knobs.ordered_keys
+                ));
+            }
             text.push_str(&format!(
                 "backlog {backlog}, {fan_out} subscription(s) per event, concurrency {}: \
                  {} deliveries/s ({} events/s; {} s; {} deliveries per claim)\n",
@@ -90,11 +97,17 @@ pub(crate) async fn drain(
     let result = async {
         let client = db.connect().await?;
         let subs: Vec<String> = (0..fan_out).map(|k| format!("bench-drain-{k}")).collect();
-        seed_backlog(&client, &subs, "bench.drain", backlog).await?;
+        let keys = args.knobs.ordered_keys;
+        seed_keyed_backlog(&client, &subs, "bench.drain", backlog, keys).await?;
         let total = backlog * fan_out as u64;
         let mut builder = super::bus(&db.config, args);
         for name in &subs {
-            builder = builder.handler_fn(name, ["bench.drain"], |_event| async { Ok(()) });
+            builder = builder.handler_fn_with(
+                name,
+                ["bench.drain"],
+                crate::SubscriptionOptions::new().ordered(keys > 0),
+                |_event| async { Ok(()) },
+            );
         }
         let bus = builder.build()?;
         let started = Instant::now();
