@@ -225,22 +225,6 @@ impl Event {
                 ));
             }
         }
-        for (what, text) in [
-            ("event id", Some(self.id.as_str())),
-            ("source", self.source.as_deref()),
-            ("aggregate type", self.aggregate_type.as_deref()),
-            ("aggregate id", self.aggregate_id.as_deref()),
-            ("correlation id", self.correlation_id.as_deref()),
-            ("causation id", self.causation_id.as_deref()),
-            ("ordering key", self.ordering_key.as_deref()),
-        ] {
-            if text.is_some_and(|t| t.contains('\0')) {
-                return Err(Error::invalid(
-                    what,
-                    "contains \\u0000, which PostgreSQL text cannot store",
-                ));
-            }
-        }
         if !self.headers.is_object() {
             return Err(Error::invalid(
                 "headers",
