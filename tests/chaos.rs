@@ -504,12 +504,32 @@ async fn terminate(config: &Config, application_name: &str) {
         .await;
 }
 
-/// Every in-process bus listens again.
+/// Every in-process bus listens (its first connection).
 async fn wait_listening(buses: &[&RunningBus]) {
+    common::wait_for("the buses to listen", Duration::from_secs(60), || async {
+        buses.iter().all(|b| b.is_listening())
+    })
+    .await;
+}
+
+/// How often each in-process bus's listener has reconnected so far.
+fn reconnects(buses: &[&RunningBus]) -> Vec<u64> {
+    buses.iter().map(|b| b.stats().reconnects).collect()
+}
+
+/// Every in-process bus has reconnected since `before` and listens again. (Waiting only
+/// for "listening" could return before a listener noticed its connection was gone, and
+/// the next fault would then fall into the same outage.)
+async fn wait_reconnected(buses: &[&RunningBus], before: &[u64]) {
     common::wait_for(
-        "the buses to listen again",
+        "the buses to reconnect and listen again",
         Duration::from_secs(60),
-        || async { buses.iter().all(|b| b.is_listening()) },
+        || async {
+            buses
+                .iter()
+                .zip(before)
+                .all(|(b, n)| b.stats().reconnects > *n && b.is_listening())
+        },
     )
     .await;
 }
@@ -528,8 +548,9 @@ async fn inject(
     match fault {
         Fault::TerminateListener => {
             faults.terminate_listener += 1;
+            let before = reconnects(buses);
             terminate(config, "pgbus listener").await;
-            wait_listening(buses).await;
+            wait_reconnected(buses, &before).await;
         }
         Fault::TerminateWorkers => {
             faults.terminate_workers += 1;
@@ -543,10 +564,11 @@ async fn inject(
                 faults.restart_immediate += 1;
                 ShutdownMode::Immediate
             };
+            let before = reconnects(buses);
             let began = Instant::now();
             cluster.restart(mode).await.expect("restarting PostgreSQL");
             faults.downtime += began.elapsed();
-            wait_listening(buses).await;
+            wait_reconnected(buses, &before).await;
         }
         Fault::KillConsumer => {
             faults.kill_consumer += 1;
