@@ -14,7 +14,6 @@ use futures::StreamExt;
 use pgbus::bench::{Server, seed_backlog};
 use pgbus::{Bus, Event};
 use tokio::runtime::Runtime;
-use tokio_postgres::types::Type;
 use tokio_postgres::{AsyncMessage, NoTls};
 
 const DEFAULT_LARGE_BACKLOG: u64 = 1_000_000;
@@ -54,17 +53,7 @@ fn claim(c: &mut Criterion) {
     })
     .expect("seed");
     let stmt = rt
-        .block_on(client.prepare_typed(
-            pgbus::sql::CLAIM,
-            &[
-                Type::TEXT_ARRAY,
-                Type::INT4_ARRAY,
-                Type::INT4,
-                Type::INT8,
-                Type::TEXT,
-                Type::INT4,
-            ],
-        ))
+        .block_on(client.prepare_typed(pgbus::sql::CLAIM, &pgbus::sql::CLAIM_TYPES))
         .expect("prepare CLAIM");
 
     let mut group = c.benchmark_group("claim_100");

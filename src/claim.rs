@@ -49,17 +49,7 @@ async fn claim(
 ) -> Result<Claimed> {
     let client = shared.pool.get().await?;
     let stmt = client
-        .prepare_typed_cached(
-            sql::CLAIM,
-            &[
-                Type::TEXT_ARRAY,
-                Type::INT4_ARRAY,
-                Type::INT4,
-                Type::INT8,
-                Type::TEXT,
-                Type::INT4,
-            ],
-        )
+        .prepare_typed_cached(sql::CLAIM, &sql::CLAIM_TYPES)
         .await?;
     let names: Vec<&str> = quotas.iter().map(|(n, _)| &**n).collect();
     let limits: Vec<i32> = quotas.iter().map(|(_, q)| *q as i32).collect();

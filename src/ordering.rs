@@ -18,6 +18,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::Result;
 use crate::publish::Executor;
+use crate::sql;
 
 /// What an ordered subscription does when the head of a key becomes a dead letter.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -61,21 +62,7 @@ pub async fn set_ordering<C: Executor + ?Sized>(
     ];
     client
         .client()
-        .query_typed(
-            "WITH old AS (
-               SELECT ordered FROM pgbus.subscriptions WHERE name = $1 FOR UPDATE
-             ),
-             changed AS (
-               UPDATE pgbus.subscriptions SET ordered = $2, on_dead = $3, updated_at = now()
-               WHERE name = $1 AND (ordered, on_dead) IS DISTINCT FROM ($2, $3)
-               RETURNING 1
-             )
-             UPDATE pgbus.deliveries
-             SET is_head = true, ordering_key = NULL, key_pos = NULL
-             WHERE subscription = $1 AND ordering_key IS NOT NULL
-               AND NOT $2 AND (SELECT ordered FROM old)",
-            &params,
-        )
+        .query_typed(sql::SET_ORDERING, &params)
         .await?;
     Ok(())
 }
@@ -112,18 +99,7 @@ pub async fn blocked_keys<C: Executor + ?Sized>(
     let params: [(&(dyn ToSql + Sync), Type); 1] = [(&subscription, Type::TEXT)];
     let rows = client
         .client()
-        .query_typed(
-            "SELECT h.subscription, h.ordering_key, e.id, e.event_name, h.attempts, h.last_error,
-                    (SELECT count(*) FROM pgbus.deliveries AS w
-                     WHERE w.subscription = h.subscription AND w.ordering_key = h.ordering_key
-                       AND NOT w.is_head AND w.status = 'pending')
-             FROM pgbus.deliveries AS h
-             JOIN pgbus.events AS e ON e.seq = h.event_seq
-             WHERE h.status = 'dead' AND h.is_head AND h.ordering_key IS NOT NULL
-               AND ($1::text IS NULL OR h.subscription = $1)
-             ORDER BY h.subscription, h.ordering_key",
-            &params,
-        )
+        .query_typed(sql::BLOCKED_KEYS, &params)
         .await?;
     rows.iter()
         .map(|r| {
@@ -156,22 +132,7 @@ pub async fn redrive_head<C: Executor + ?Sized>(
         [(&subscription, Type::TEXT), (&key, Type::TEXT)];
     let rows = client
         .client()
-        .query_typed(
-            "WITH redriven AS (
-               UPDATE pgbus.deliveries
-               SET attempts = CASE WHEN status = 'dead' THEN 0 ELSE attempts END,
-                   status = 'pending', available_at = now(),
-                   locked_until = NULL, locked_by = NULL
-               WHERE subscription = $1 AND ordering_key = $2 AND is_head
-                 AND status IN ('dead', 'pending')
-               RETURNING 1
-             )
-             SELECT count(*),
-                    (SELECT count(*) FROM (SELECT pg_notify('pgbus', '')
-                                           FROM redriven LIMIT 1) AS woke)
-             FROM redriven",
-            &params,
-        )
+        .query_typed(sql::REDRIVE_HEAD, &params)
         .await?;
     Ok(rows.first().map(|r| r.get::<_, i64>(0)).unwrap_or(0) > 0)
 }
@@ -189,9 +150,6 @@ pub async fn skip_head<C: Executor + ?Sized>(
 ) -> Result<bool> {
     let params: [(&(dyn ToSql + Sync), Type); 2] =
         [(&subscription, Type::TEXT), (&key, Type::TEXT)];
-    let rows = client
-        .client()
-        .query_typed("SELECT skipped FROM pgbus.skip_dead_head($1, $2)", &params)
-        .await?;
+    let rows = client.client().query_typed(sql::SKIP_HEAD, &params).await?;
     Ok(!rows.is_empty())
 }

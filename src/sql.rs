@@ -70,6 +70,16 @@ FROM next_due
 LEFT JOIN (claimed AS c JOIN pgbus.events AS e ON e.seq = c.event_seq) ON true
 ORDER BY e.seq";
 
+/// The parameter types of [`CLAIM`], for preparing it.
+pub const CLAIM_TYPES: [tokio_postgres::types::Type; 6] = [
+    tokio_postgres::types::Type::TEXT_ARRAY,
+    tokio_postgres::types::Type::INT4_ARRAY,
+    tokio_postgres::types::Type::INT4,
+    tokio_postgres::types::Type::INT8,
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::INT4,
+];
+
 /// Settles many deliveries in one statement: completions, failures and releases.
 ///
 /// Parameters: completions `$1 text[]` subscription, `$2 int8[]` event seq, `$3 int4[]`
@@ -387,6 +397,59 @@ swept AS (
 )
 SELECT (SELECT got FROM lock), (SELECT count(*) FROM swept), (SELECT count(*) FROM failures)";
 
+/// Makes a subscription ordered or not, with its dead-head policy. Parameters: `$1 text`
+/// subscription, `$2 bool` ordered, `$3 text` `block` or `skip`. Turning ordering off
+/// makes every waiting delivery a head (claimable at once).
+pub const SET_ORDERING: &str = "\
+WITH old AS (
+  SELECT ordered FROM pgbus.subscriptions WHERE name = $1 FOR UPDATE
+),
+changed AS (
+  UPDATE pgbus.subscriptions SET ordered = $2, on_dead = $3, updated_at = now()
+  WHERE name = $1 AND (ordered, on_dead) IS DISTINCT FROM ($2, $3)
+  RETURNING 1
+)
+UPDATE pgbus.deliveries
+SET is_head = true, ordering_key = NULL, key_pos = NULL
+WHERE subscription = $1 AND ordering_key IS NOT NULL
+  AND NOT $2 AND (SELECT ordered FROM old)";
+
+/// Keys of ordered subscriptions whose head is a dead letter, with how many deliveries
+/// wait behind each. Parameter: `$1 text` a subscription, or NULL for all.
+pub const BLOCKED_KEYS: &str = "\
+SELECT h.subscription, h.ordering_key, e.id, e.event_name, h.attempts, h.last_error,
+       (SELECT count(*) FROM pgbus.deliveries AS w
+        WHERE w.subscription = h.subscription AND w.ordering_key = h.ordering_key
+          AND NOT w.is_head AND w.status = 'pending')
+FROM pgbus.deliveries AS h
+JOIN pgbus.events AS e ON e.seq = h.event_seq
+WHERE h.status = 'dead' AND h.is_head AND h.ordering_key IS NOT NULL
+  AND ($1::text IS NULL OR h.subscription = $1)
+ORDER BY h.subscription, h.ordering_key";
+
+/// Makes a key's head due now: a dead head gets its attempts back, a head backing off is
+/// retried at once; notifies the listening buses. Parameters: `$1 text` subscription,
+/// `$2 text` key. Returns one row: heads redriven (0 or 1), notifications sent.
+pub const REDRIVE_HEAD: &str = "\
+WITH redriven AS (
+  UPDATE pgbus.deliveries
+  SET attempts = CASE WHEN status = 'dead' THEN 0 ELSE attempts END,
+      status = 'pending', available_at = now(),
+      locked_until = NULL, locked_by = NULL
+  WHERE subscription = $1 AND ordering_key = $2 AND is_head
+    AND status IN ('dead', 'pending')
+  RETURNING 1
+)
+SELECT count(*),
+       (SELECT count(*) FROM (SELECT pg_notify('pgbus', '')
+                              FROM redriven LIMIT 1) AS woke)
+FROM redriven";
+
+/// Skips a key's dead head and promotes the next delivery (`pgbus.skip_dead_head`).
+/// Parameters: `$1 text` subscription, `$2 text` key. Returns a row when there was a dead
+/// head to skip.
+pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
+
 /// Every statement above, by name.
 pub const ALL: &[(&str, &str)] = &[
     ("CLAIM", CLAIM),
@@ -395,6 +458,10 @@ pub const ALL: &[(&str, &str)] = &[
     ("REAP", REAP),
     ("REPAIR", REPAIR),
     ("ENSURE_HEADS", ENSURE_HEADS),
+    ("SET_ORDERING", SET_ORDERING),
+    ("BLOCKED_KEYS", BLOCKED_KEYS),
+    ("REDRIVE_HEAD", REDRIVE_HEAD),
+    ("SKIP_HEAD", SKIP_HEAD),
     ("CONSUMER_HEARTBEAT", CONSUMER_HEARTBEAT),
     ("CONSUMER_SLEEP", CONSUMER_SLEEP),
     ("CONSUMER_REMOVE", CONSUMER_REMOVE),
