@@ -26,6 +26,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
 use crate::event::{validate_name, validate_pattern};
+use crate::ordering::DeadHeadPolicy;
 use crate::publish::Executor;
 use crate::sql;
 use tokio_postgres::GenericClient;
@@ -99,6 +100,276 @@ pub async fn register_subscription<C: Executor + ?Sized, S: AsRef<str>>(
         )
         .await?;
     Ok(())
+}
+
+/// A subscription's settings as stored in `pgbus.subscriptions`: what every consumer of
+/// it follows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SubscriptionSettings {
+    /// Event-name patterns (`order.placed`, `order.*`, `*`).
+    pub patterns: Vec<String>,
+    /// Attempts before a delivery becomes a dead letter.
+    pub max_attempts: i32,
+    /// Whether each ordering key is delivered one event at a time, in commit order.
+    pub ordered: bool,
+    /// What an ordered subscription does with a key whose head is dead.
+    pub on_dead: DeadHeadPolicy,
+}
+
+/// A change of a subscription's settings: each `None` keeps the stored value. Used by
+/// [`configure_subscription`], and by a starting bus to say what it asks for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SubscriptionChange {
+    /// New patterns (applied to events published from then on).
+    pub patterns: Option<Vec<String>>,
+    /// New maximum attempts (at least 1).
+    pub max_attempts: Option<i32>,
+    /// Ordering on or off; the backlog is converted in the same transaction.
+    pub ordered: Option<bool>,
+    /// The dead-head policy of an ordered subscription.
+    pub on_dead: Option<DeadHeadPolicy>,
+}
+
+impl SubscriptionChange {
+    /// No change.
+    pub fn new() -> Self {
+        SubscriptionChange::default()
+    }
+
+    /// Sets the patterns.
+    pub fn patterns<I, S>(mut self, patterns: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.patterns = Some(patterns.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Sets the maximum attempts.
+    pub fn max_attempts(mut self, attempts: i32) -> Self {
+        self.max_attempts = Some(attempts);
+        self
+    }
+
+    /// Turns ordering on or off.
+    pub fn ordered(mut self, ordered: bool) -> Self {
+        self.ordered = Some(ordered);
+        self
+    }
+
+    /// Sets the dead-head policy.
+    pub fn on_dead(mut self, policy: DeadHeadPolicy) -> Self {
+        self.on_dead = Some(policy);
+        self
+    }
+
+    fn validate(&self, name: &str) -> Result<()> {
+        validate_name("subscription name", name)?;
+        if let Some(patterns) = &self.patterns {
+            validate_subscription(name, patterns)?;
+        }
+        if let Some(n) = self.max_attempts
+            && n < 1
+        {
+            return Err(Error::invalid(
+                "max attempts",
+                format!("must be at least 1, got {n}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The settings this change asks for that differ from `stored`, in words.
+    fn differences(&self, stored: &SubscriptionSettings) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(p) = &self.patterns
+            && *p != stored.patterns
+        {
+            out.push(format!(
+                "patterns {} (stored: {})",
+                p.join(","),
+                stored.patterns.join(",")
+            ));
+        }
+        if let Some(n) = self.max_attempts
+            && n != stored.max_attempts
+        {
+            out.push(format!(
+                "max attempts {n} (stored: {})",
+                stored.max_attempts
+            ));
+        }
+        if let Some(o) = self.ordered
+            && o != stored.ordered
+        {
+            out.push(format!("ordered {o} (stored: {})", stored.ordered));
+        }
+        if let Some(d) = self.on_dead
+            && d != stored.on_dead
+        {
+            out.push(format!(
+                "on-dead {} (stored: {})",
+                d.as_sql(),
+                stored.on_dead.as_sql()
+            ));
+        }
+        out
+    }
+
+    /// The `pgbus subscriptions set` arguments that would make this change.
+    fn as_command(&self, name: &str) -> String {
+        let mut cmd = format!("pgbus subscriptions set {name}");
+        if let Some(p) = &self.patterns {
+            for p in p {
+                cmd.push_str(&format!(" --pattern '{p}'"));
+            }
+        }
+        if let Some(n) = self.max_attempts {
+            cmd.push_str(&format!(" --max-attempts {n}"));
+        }
+        match self.ordered {
+            Some(true) => cmd.push_str(" --ordered"),
+            Some(false) => cmd.push_str(" --unordered"),
+            None => {}
+        }
+        if let Some(d) = self.on_dead {
+            cmd.push_str(&format!(" --on-dead {}", d.as_sql()));
+        }
+        cmd
+    }
+}
+
+/// A subscription's stored settings, or `None` when it does not exist.
+///
+/// # Errors
+///
+/// [`Error::Database`] when the query fails.
+pub async fn subscription_settings<C: Executor + ?Sized>(
+    client: &C,
+    name: &str,
+) -> Result<Option<SubscriptionSettings>> {
+    let params: [(&(dyn ToSql + Sync), Type); 1] = [(&name, Type::TEXT)];
+    let rows = client
+        .client()
+        .query_typed(sql::SUBSCRIPTION_SETTINGS, &params)
+        .await?;
+    let Some(row) = rows.first() else {
+        return Ok(None);
+    };
+    let on_dead: &str = row.try_get("on_dead")?;
+    Ok(Some(SubscriptionSettings {
+        patterns: row.try_get("patterns")?,
+        max_attempts: row.try_get("max_attempts")?,
+        ordered: row.try_get("ordered")?,
+        on_dead: DeadHeadPolicy::from_sql(on_dead),
+    }))
+}
+
+/// Changes a subscription's settings, an operator action that is safe while publishers,
+/// consumers and reapers run: it waits for every publish and settlement that read the old
+/// settings, and converts the backlog in the same transaction. Turning ordering on gives
+/// each key one head, its oldest waiting delivery (deliveries already processing finish,
+/// or are retried, unordered; dead letters stay aside until retried); turning it off makes every
+/// delivery claimable at once. New patterns apply to events published from then on.
+/// Returns how many deliveries were converted, or `None` when there is no such
+/// subscription.
+///
+/// # Errors
+///
+/// [`Error::Invalid`] for a bad name, pattern or maximum (nothing is changed);
+/// [`Error::Database`] when the statement fails, e.g. inside a transaction that is not
+/// READ COMMITTED.
+pub async fn configure_subscription<C: Executor + ?Sized>(
+    client: &C,
+    name: &str,
+    change: &SubscriptionChange,
+) -> Result<Option<u64>> {
+    change.validate(name)?;
+    let on_dead = change.on_dead.map(DeadHeadPolicy::as_sql);
+    let params: [(&(dyn ToSql + Sync), Type); 5] = [
+        (&name, Type::TEXT),
+        (&change.patterns, Type::TEXT_ARRAY),
+        (&change.max_attempts, Type::INT4),
+        (&change.ordered, Type::BOOL),
+        (&on_dead, Type::TEXT),
+    ];
+    let rows = client
+        .client()
+        .query_typed(sql::CONFIGURE_SUBSCRIPTION, &params)
+        .await?;
+    let Some(row) = rows.first() else {
+        return Ok(None);
+    };
+    if !row.try_get::<_, bool>("found")? {
+        return Ok(None);
+    }
+    Ok(Some(row.try_get::<_, i64>("converted")? as u64))
+}
+
+/// What a starting bus does with a subscription: creates it with what it asks for (and
+/// the defaults for the rest) when it does not exist; otherwise follows the stored
+/// settings, and refuses to start where it explicitly asks for different ones, unless
+/// `reconfigure`, which changes them with [`configure_subscription`]. Returns the
+/// settings in force.
+pub(crate) async fn join_subscription<C: Executor + ?Sized>(
+    client: &C,
+    name: &str,
+    asked: &SubscriptionChange,
+    reconfigure: bool,
+) -> Result<SubscriptionSettings> {
+    asked.validate(name)?;
+    loop {
+        if let Some(stored) = subscription_settings(client, name).await? {
+            let differences = asked.differences(&stored);
+            if differences.is_empty() {
+                return Ok(stored);
+            }
+            if !reconfigure {
+                return Err(Error::invalid(
+                    "subscription settings",
+                    format!(
+                        "subscription {name:?} is stored with other settings than this consumer asks for: {}; \
+                         change them with `{}` (every consumer follows), or start this one with \
+                         --reconfigure (BusBuilder::reconfigure(true)); a consumer that does not set \
+                         them follows the stored ones",
+                        differences.join(", "),
+                        asked.as_command(name),
+                    ),
+                ));
+            }
+            tracing::warn!(
+                messaging.destination.subscription.name = name,
+                changes = %differences.join(", "),
+                "pgbus is reconfiguring a subscription for every consumer"
+            );
+            configure_subscription(client, name, asked).await?;
+            continue;
+        }
+        let Some(patterns) = &asked.patterns else {
+            return Err(Error::invalid(
+                "subscription",
+                format!("{name:?} does not exist: give its patterns to create it"),
+            ));
+        };
+        let max_attempts = asked.max_attempts.unwrap_or(crate::DEFAULT_MAX_ATTEMPTS);
+        let ordered = asked.ordered.unwrap_or(false);
+        let on_dead = asked.on_dead.unwrap_or_default().as_sql();
+        let params: [(&(dyn ToSql + Sync), Type); 5] = [
+            (&name, Type::TEXT),
+            (patterns, Type::TEXT_ARRAY),
+            (&max_attempts, Type::INT4),
+            (&ordered, Type::BOOL),
+            (&on_dead, Type::TEXT),
+        ];
+        client
+            .client()
+            .query_typed(sql::SUBSCRIPTION_CREATE, &params)
+            .await?;
+        // Created, or created by another process meanwhile: read what is stored.
+    }
 }
 
 /// One subscription's state, from [`status`].

@@ -74,6 +74,9 @@ pub(crate) struct Options {
     pub(crate) retry: RetryPolicy,
     pub(crate) synchronous_commit: bool,
     pub(crate) retention: Option<Duration>,
+    /// Whether `retry` was set on the builder (its maximum attempts then count as asked).
+    pub(crate) retry_set: bool,
+    pub(crate) reconfigure: bool,
 }
 
 /// Counters of a running bus, read with [`RunningBus::stats`].
@@ -271,6 +274,8 @@ impl Bus {
                 retry: RetryPolicy::default(),
                 synchronous_commit: DEFAULT_SYNCHRONOUS_COMMIT,
                 retention: Some(DEFAULT_RETENTION),
+                retry_set: false,
+                reconfigure: false,
             },
             handlers: Vec::new(),
         }
@@ -307,7 +312,7 @@ impl Bus {
         S: Into<String>,
     {
         let patterns: Vec<String> = patterns.into_iter().map(Into::into).collect();
-        crate::admin::validate_subscription(name, &patterns)?;
+        let asked = asked_settings(name, patterns, &options, &self.opts)?;
         if self.subs.iter().any(|s| &*s.name == name) {
             return Err(Error::invalid(
                 "subscription name",
@@ -318,11 +323,9 @@ impl Bus {
         let limit = options.concurrency.unwrap_or(self.opts.concurrency);
         let sub = Arc::new(SubRuntime {
             name: Arc::from(name),
-            patterns,
+            asked,
             retry: options.retry.unwrap_or(self.opts.retry),
             timeout: None,
-            ordered: options.ordered,
-            on_dead: options.on_dead,
             held: Default::default(),
             limit: Some(limit),
             run_limit: None,
@@ -366,6 +369,10 @@ impl Bus {
         if !opts.synchronous_commit {
             options.push_str(" -c synchronous_commit=off");
         }
+        // Settling, reaping and repairs decide heads from the rows the key locks protect,
+        // which only a fresh snapshot per statement shows: whatever the database's
+        // default, the bus's own transactions are READ COMMITTED.
+        options.push_str(r" -c default_transaction_isolation=read\ committed");
         worker_config.options(options.trim());
         let manager = deadpool_postgres::Manager::from_config(
             worker_config,
@@ -383,18 +390,13 @@ impl Bus {
             .build()
             .map_err(|e| Error::invalid("pool", e.to_string()))?;
 
-        // Register the subscriptions (idempotent upserts).
+        // Join (or create) the subscriptions: a bus never silently changes a stored
+        // subscription that other consumers share.
         {
             let client = pool.get().await?;
             for sub in &subs {
-                crate::admin::register_subscription(
-                    &client,
-                    &sub.name,
-                    &sub.patterns,
-                    sub.retry.attempts(),
-                )
-                .await?;
-                crate::ordering::set_ordering(&client, &sub.name, sub.ordered, sub.on_dead).await?;
+                crate::admin::join_subscription(&client, &sub.name, &sub.asked, opts.reconfigure)
+                    .await?;
             }
         }
 
@@ -601,6 +603,19 @@ impl BusBuilder {
     /// (default: [`RetryPolicy::default`], exponential from 1 s, 25 attempts).
     pub fn retry(mut self, retry: RetryPolicy) -> Self {
         self.opts.retry = retry;
+        self.opts.retry_set = true;
+        self
+    }
+
+    /// Lets this bus change the stored settings of its subscriptions to the ones it asks
+    /// for (default: off). Off, a bus that explicitly asks for settings other than the
+    /// stored ones (patterns, maximum attempts, ordering, dead-head policy) refuses to
+    /// start with [`Error::Invalid`] naming the difference; settings it does not set
+    /// follow the stored ones. On, the change is made as
+    /// [`admin::configure_subscription`](crate::admin::configure_subscription) makes it,
+    /// for every consumer of the subscription.
+    pub fn reconfigure(mut self, reconfigure: bool) -> Self {
+        self.opts.reconfigure = reconfigure;
         self
     }
 
@@ -649,7 +664,7 @@ impl BusBuilder {
         }
         let mut subs: Vec<Arc<SubRuntime>> = Vec::new();
         for (name, patterns, handler, options) in self.handlers {
-            crate::admin::validate_subscription(&name, &patterns)?;
+            let asked = asked_settings(&name, patterns, &options, o)?;
             if subs.iter().any(|s| *s.name == *name) {
                 return Err(Error::invalid(
                     "subscription name",
@@ -658,11 +673,9 @@ impl BusBuilder {
             }
             subs.push(Arc::new(SubRuntime {
                 name: Arc::from(name.as_str()),
-                patterns,
+                asked,
                 retry: options.retry.unwrap_or(o.retry),
                 timeout: options.timeout.or(o.handler_timeout),
-                ordered: options.ordered,
-                on_dead: options.on_dead,
                 held: Default::default(),
                 limit: options.concurrency,
                 run_limit: options.concurrency.map(|c| Arc::new(Semaphore::new(c))),
@@ -779,6 +792,28 @@ impl RunningBus {
             .map(|s| s.held.load(Ordering::Acquire))
             .sum()
     }
+}
+
+/// What a subscription of this bus asks for: its patterns (none: follow the stored
+/// ones), and the maximum attempts, ordering and dead-head policy it set explicitly.
+fn asked_settings(
+    name: &str,
+    patterns: Vec<String>,
+    options: &SubscriptionOptions,
+    opts: &Options,
+) -> Result<crate::admin::SubscriptionChange> {
+    if patterns.is_empty() {
+        crate::event::validate_name("subscription name", name)?;
+    } else {
+        crate::admin::validate_subscription(name, &patterns)?;
+    }
+    let retry = options.retry.or(opts.retry_set.then_some(opts.retry));
+    Ok(crate::admin::SubscriptionChange {
+        patterns: (!patterns.is_empty()).then_some(patterns),
+        max_attempts: retry.and_then(|r| r.attempts_if_set()),
+        ordered: options.ordered,
+        on_dead: options.on_dead,
+    })
 }
 
 /// Routes each claimed delivery to its subscription: a handler task, or a stream.
@@ -920,7 +955,7 @@ async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
             _ = heartbeat.tick() => if let Err(e) = claim::consumer_heartbeat(&shared).await {
                 tracing::debug!(error = %e, "pgbus consumer heartbeat failed");
             },
-            _ = repair.tick(), if shared.subs.values().any(|s| s.ordered) => {
+            _ = repair.tick() => {
                 match claim::repair_orphans(&shared).await {
                     Ok(0) => {}
                     Ok(n) => {

@@ -94,12 +94,15 @@ pub struct SubscriptionOptions {
     /// How long one attempt may run before it counts as failed (default: the bus's
     /// handler timeout).
     pub timeout: Option<Duration>,
-    /// Deliver each ordering key's events one at a time, in commit order (default: false).
-    /// See [`crate::ordering`].
-    pub ordered: bool,
-    /// For an ordered subscription, what a dead head does to its key (default:
-    /// [`DeadHeadPolicy::Block`]).
-    pub on_dead: DeadHeadPolicy,
+    /// Deliver each ordering key's events one at a time, in commit order. Unset (the
+    /// default): a new subscription is unordered, an existing one keeps what is stored.
+    /// Set and different from what is stored: the bus refuses to start unless
+    /// [`BusBuilder::reconfigure`](crate::BusBuilder::reconfigure). See [`crate::ordering`].
+    pub ordered: Option<bool>,
+    /// For an ordered subscription, what a dead head does to its key. Unset (the
+    /// default): [`DeadHeadPolicy::Block`] for a new subscription, the stored policy for
+    /// an existing one.
+    pub on_dead: Option<DeadHeadPolicy>,
 }
 
 impl SubscriptionOptions {
@@ -129,13 +132,13 @@ impl SubscriptionOptions {
     /// Makes the subscription ordered: one delivery per ordering key at a time, in the
     /// order the events' transactions committed.
     pub fn ordered(mut self, ordered: bool) -> Self {
-        self.ordered = ordered;
+        self.ordered = Some(ordered);
         self
     }
 
     /// Sets what a dead head does to its key in an ordered subscription.
     pub fn on_dead(mut self, policy: DeadHeadPolicy) -> Self {
-        self.on_dead = policy;
+        self.on_dead = Some(policy);
         self
     }
 }
@@ -149,16 +152,14 @@ pub(crate) enum Target {
 /// A subscription as the running bus keeps it.
 pub(crate) struct SubRuntime {
     pub(crate) name: Arc<str>,
-    pub(crate) patterns: Vec<String>,
+    /// The settings this bus asks for (unset ones follow the stored subscription).
+    pub(crate) asked: crate::admin::SubscriptionChange,
     pub(crate) retry: RetryPolicy,
     pub(crate) timeout: Option<Duration>,
     /// Claimed and not yet settled, for the claim quota.
     pub(crate) held: AtomicUsize,
     /// The most this subscription may hold at once, if limited.
     pub(crate) limit: Option<usize>,
-    /// Ordered, and what a dead head does.
-    pub(crate) ordered: bool,
-    pub(crate) on_dead: DeadHeadPolicy,
     /// Limits concurrent handler runs of this subscription.
     pub(crate) run_limit: Option<Arc<Semaphore>>,
     pub(crate) target: Target,
@@ -168,7 +169,7 @@ impl std::fmt::Debug for SubRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SubRuntime")
             .field("name", &self.name)
-            .field("patterns", &self.patterns)
+            .field("asked", &self.asked)
             .field("held", &self.held.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }

@@ -40,11 +40,20 @@ impl DeadHeadPolicy {
             DeadHeadPolicy::Skip => "skip",
         }
     }
+
+    pub(crate) fn from_sql(value: &str) -> Self {
+        match value {
+            "skip" => DeadHeadPolicy::Skip,
+            _ => DeadHeadPolicy::Block,
+        }
+    }
 }
 
-/// Makes a registered subscription ordered or unordered, with its dead-head policy.
-///
-/// Turning ordering off makes every waiting delivery claimable at once.
+/// Makes a registered subscription ordered or unordered, with its dead-head policy
+/// (a shorthand for [`admin::configure_subscription`](crate::admin::configure_subscription),
+/// safe while publishers and consumers run). Turning ordering on gives each key one head,
+/// its oldest waiting delivery; turning it off makes every waiting delivery claimable at
+/// once. Does nothing when there is no such subscription.
 ///
 /// # Errors
 ///
@@ -55,15 +64,10 @@ pub async fn set_ordering<C: Executor + ?Sized>(
     ordered: bool,
     on_dead: DeadHeadPolicy,
 ) -> Result<()> {
-    let params: [(&(dyn ToSql + Sync), Type); 3] = [
-        (&subscription, Type::TEXT),
-        (&ordered, Type::BOOL),
-        (&on_dead.as_sql(), Type::TEXT),
-    ];
-    client
-        .client()
-        .query_typed(sql::SET_ORDERING, &params)
-        .await?;
+    let change = crate::admin::SubscriptionChange::new()
+        .ordered(ordered)
+        .on_dead(on_dead);
+    crate::admin::configure_subscription(client, subscription, &change).await?;
     Ok(())
 }
 

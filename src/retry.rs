@@ -32,6 +32,9 @@ pub struct RetryPolicy {
     factor: f64,
     cap: Duration,
     max_attempts: i32,
+    /// Whether `max_attempts` was set: a bus joining a stored subscription follows the
+    /// stored maximum unless it was.
+    attempts_set: bool,
     jitter: bool,
 }
 
@@ -42,6 +45,7 @@ impl Default for RetryPolicy {
             factor: DEFAULT_RETRY_FACTOR,
             cap: DEFAULT_RETRY_CAP,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
+            attempts_set: false,
             jitter: true,
         }
     }
@@ -87,6 +91,7 @@ impl RetryPolicy {
     /// Sets the maximum attempts (default 25; at least 1).
     pub fn max_attempts(mut self, attempts: i32) -> Self {
         self.max_attempts = attempts.max(1);
+        self.attempts_set = true;
         self
     }
 
@@ -99,6 +104,11 @@ impl RetryPolicy {
     /// The maximum attempts.
     pub fn attempts(&self) -> i32 {
         self.max_attempts
+    }
+
+    /// The maximum attempts if [`RetryPolicy::max_attempts`] set them, else `None`.
+    pub(crate) fn attempts_if_set(&self) -> Option<i32> {
+        self.attempts_set.then_some(self.max_attempts)
     }
 
     /// The delay before the retry that follows failed attempt `attempt` (1-based).

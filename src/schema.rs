@@ -41,6 +41,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "ordered",
         sql: include_str!("../sql/0004_ordered.sql"),
     },
+    Migration {
+        version: 5,
+        name: "least_privilege",
+        sql: include_str!("../sql/0005_least_privilege.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,

@@ -262,23 +262,12 @@ SELECT (SELECT count(*) FROM retried), (SELECT count(*) FROM wake),
 pub const ENSURE_HEADS: &str =
     "SELECT subscription, ordering_key, event_seq FROM pgbus.ensure_heads($1, $2)";
 
-/// Deletes dead letters and their failure history. Parameters as [`DEAD_COUNT`].
-/// Returns one row: deliveries deleted, history rows deleted.
-pub const DEAD_PURGE: &str = "\
-WITH purged AS (
-  DELETE FROM pgbus.deliveries AS d
-  WHERE d.status = 'dead'
-    AND ($1::text IS NULL OR d.subscription = $1)
-    AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
-  RETURNING d.subscription, d.event_seq
-),
-history AS (
-  DELETE FROM pgbus.delivery_failures AS f
-  USING purged AS p
-  WHERE f.subscription = p.subscription AND f.event_seq = p.event_seq
-  RETURNING 1
-)
-SELECT (SELECT count(*) FROM purged), (SELECT count(*) FROM history)";
+/// Deletes dead letters and their failure history (`pgbus.purge_dead` in
+/// `sql/0005_least_privilege.sql`). Parameters: `$1 text` subscription (NULL: all), `$2
+/// text` event id (NULL: all). A purged dead letter that was its key's head (a blocked
+/// key) hands the head to the key's next delivery in the same transaction. Returns one
+/// row: deliveries deleted, history rows deleted.
+pub const DEAD_PURGE: &str = "SELECT purged, failures FROM pgbus.purge_dead($1, $2)";
 
 /// Creates deliveries of a subscription for events still in the log.
 ///
@@ -364,55 +353,42 @@ dropped AS (
 SELECT (SELECT known FROM known), (SELECT n FROM busy), EXISTS (SELECT 1 FROM go),
        (SELECT count(*) FROM deliveries), (SELECT count(*) FROM failures)";
 
-/// One batch of the retention sweep: deletes events created before `now() - $1 int8`
-/// milliseconds that no delivery refers to, at most `$2 int4` of them, oldest first,
-/// with their failure history.
+/// One batch of the retention sweep (`pgbus.sweep`, an owner-rights function, so that
+/// consumers need no DELETE on the log): deletes events created before `now() - $1 int8`
+/// milliseconds (never less than `pgbus.settings.min_retention`) that no delivery refers
+/// to, at most `$2 int4` of them, oldest first, with their failure history.
 ///
 /// Runs only when it gets the transaction-scoped advisory lock `$3 int8`, so at most one
 /// sweep runs at a time across all processes; the events are taken `FOR UPDATE SKIP
 /// LOCKED`. Returns one row: whether it got the lock, events deleted, history rows
 /// deleted.
-pub const SWEEP: &str = "\
-WITH lock AS (
-  SELECT pg_try_advisory_xact_lock($3::int8) AS got
-),
-doomed AS (
-  SELECT e.seq FROM pgbus.events AS e
-  WHERE (SELECT got FROM lock)
-    AND e.created_at < now() - $1::int8 * interval '1 millisecond'
-    AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d WHERE d.event_seq = e.seq)
-  ORDER BY e.created_at
-  LIMIT $2::int4
-  FOR UPDATE OF e SKIP LOCKED
-),
-failures AS (
-  DELETE FROM pgbus.delivery_failures AS f
-  USING doomed, pgbus.subscriptions AS s
-  WHERE f.subscription = s.name AND f.event_seq = doomed.seq
-  RETURNING 1
-),
-swept AS (
-  DELETE FROM pgbus.events AS e USING doomed WHERE e.seq = doomed.seq
-  RETURNING 1
-)
-SELECT (SELECT got FROM lock), (SELECT count(*) FROM swept), (SELECT count(*) FROM failures)";
+pub const SWEEP: &str = "SELECT got, events, failures FROM pgbus.sweep($1, $2, $3)";
 
-/// Makes a subscription ordered or not, with its dead-head policy. Parameters: `$1 text`
-/// subscription, `$2 bool` ordered, `$3 text` `block` or `skip`. Turning ordering off
-/// makes every waiting delivery a head (claimable at once).
-pub const SET_ORDERING: &str = "\
-WITH old AS (
-  SELECT ordered FROM pgbus.subscriptions WHERE name = $1 FOR UPDATE
-),
-changed AS (
-  UPDATE pgbus.subscriptions SET ordered = $2, on_dead = $3, updated_at = now()
-  WHERE name = $1 AND (ordered, on_dead) IS DISTINCT FROM ($2, $3)
-  RETURNING 1
-)
-UPDATE pgbus.deliveries
-SET is_head = true, ordering_key = NULL, key_pos = NULL
-WHERE subscription = $1 AND ordering_key IS NOT NULL
-  AND NOT $2 AND (SELECT ordered FROM old)";
+/// A subscription's stored settings. Parameter: `$1 text` name. Columns: patterns,
+/// max_attempts, ordered, on_dead; no row when it does not exist.
+pub const SUBSCRIPTION_SETTINGS: &str = "\
+SELECT patterns, max_attempts, ordered, on_dead FROM pgbus.subscriptions WHERE name = $1::text";
+
+/// Creates a subscription unless one of that name exists. Parameters: `$1 text` name,
+/// `$2 text[]` patterns, `$3 int4` max attempts, `$4 bool` ordered, `$5 text` on_dead.
+/// Returns a row when it created it.
+pub const SUBSCRIPTION_CREATE: &str = "\
+INSERT INTO pgbus.subscriptions (name, patterns, max_attempts, ordered, on_dead)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (name) DO NOTHING
+RETURNING 1";
+
+/// Changes a subscription's settings (`pgbus.configure_subscription`): parameters `$1
+/// text` name, then NULL to keep or the new value: `$2 text[]` patterns, `$3 int4` max
+/// attempts, `$4 bool` ordered, `$5 text` on_dead.
+///
+/// It takes the configuration lock exclusively, so it waits for every publish and
+/// settlement that read the old settings and those after it read the new ones, and
+/// converts the backlog in the same transaction: ordering on gives each key one head (its
+/// oldest waiting delivery); ordering off makes every delivery claimable. Returns one
+/// row: whether the subscription exists, deliveries converted.
+pub const CONFIGURE_SUBSCRIPTION: &str = "\
+SELECT found, converted FROM pgbus.configure_subscription($1, $2, $3, $4, $5)";
 
 /// Keys of ordered subscriptions whose head is a dead letter, with how many deliveries
 /// wait behind each. Parameter: `$1 text` a subscription, or NULL for all.
@@ -458,7 +434,9 @@ pub const ALL: &[(&str, &str)] = &[
     ("REAP", REAP),
     ("REPAIR", REPAIR),
     ("ENSURE_HEADS", ENSURE_HEADS),
-    ("SET_ORDERING", SET_ORDERING),
+    ("SUBSCRIPTION_SETTINGS", SUBSCRIPTION_SETTINGS),
+    ("SUBSCRIPTION_CREATE", SUBSCRIPTION_CREATE),
+    ("CONFIGURE_SUBSCRIPTION", CONFIGURE_SUBSCRIPTION),
     ("BLOCKED_KEYS", BLOCKED_KEYS),
     ("REDRIVE_HEAD", REDRIVE_HEAD),
     ("SKIP_HEAD", SKIP_HEAD),

@@ -393,11 +393,363 @@ async fn publisher_and_consumer_roles_need_only_their_grants() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(payloads, [json!({"n": 1})]);
-    // The retention sweep a bus runs, as the consumer: every event is done with.
+    // The retention sweep a bus runs, as the consumer: every event is done with. The
+    // owner lowers the shortest retention the sweep honours (1 hour by default).
+    admin
+        .batch_execute("UPDATE pgbus.settings SET min_retention = '0'")
+        .await
+        .unwrap();
     let swept = pgbus::admin::sweep_batch(&cc, Duration::from_millis(1), 100)
         .await
         .unwrap();
     assert_eq!((swept.events, swept.failures), (5, 1));
     drop((pc, cc, nc));
     drop(roles);
+}
+
+/// Roles granted as a publisher and as a consumer, with their clients and the admin's.
+struct Hostile {
+    roles: Roles,
+    admin: Client,
+    publisher: Client,
+    consumer: Client,
+}
+
+impl Hostile {
+    async fn new(db: &common::TestDb) -> Hostile {
+        let admin = db.connect().await;
+        let roles = Roles::create(db.config(), &["publisher", "consumer"]).await;
+        for (role, grant) in [
+            (&roles.names[0], "publisher"),
+            (&roles.names[1], "consumer"),
+        ] {
+            admin
+                .execute(
+                    &format!("SELECT pgbus.grant_{grant}($1::text::regrole)"),
+                    &[role],
+                )
+                .await
+                .unwrap();
+        }
+        let publisher = connect(&as_role(&db.config(), &roles.names[0]))
+            .await
+            .unwrap();
+        let consumer = connect(&as_role(&db.config(), &roles.names[1]))
+            .await
+            .unwrap();
+        Hostile {
+            roles,
+            admin,
+            publisher,
+            consumer,
+        }
+    }
+
+    fn publisher_name(&self) -> &str {
+        &self.roles.names[0]
+    }
+
+    fn consumer_name(&self) -> &str {
+        &self.roles.names[1]
+    }
+
+    /// Whether a role became a superuser.
+    async fn is_superuser(&self, role: &str) -> bool {
+        self.admin
+            .query_one("SELECT rolsuper FROM pg_roles WHERE rolname = $1", &[&role])
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    /// A snapshot of every table's content, to show that refused attempts change nothing.
+    async fn tables(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for table in [
+            "events",
+            "deliveries",
+            "subscriptions",
+            "delivery_failures",
+            "settings",
+        ] {
+            let rows = self
+                .admin
+                .query(
+                    &format!("SELECT t::text FROM pgbus.{table} AS t ORDER BY 1"),
+                    &[],
+                )
+                .await
+                .unwrap();
+            out.extend(
+                rows.iter()
+                    .map(|r| format!("{table}: {}", r.get::<_, String>(0))),
+            );
+        }
+        out
+    }
+}
+
+/// Every owner-rights function pins its search_path with pg_temp last, so that no
+/// caller's temporary objects are ever found first; a future migration cannot add one
+/// that does not.
+#[tokio::test]
+async fn every_owner_rights_function_pins_pg_temp_last() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let rows = client
+        .query(
+            "SELECT p.oid::regprocedure::text, coalesce(p.proconfig, '{}')
+             FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace
+             WHERE n.nspname = 'pgbus' AND p.prosecdef
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap();
+    let names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    for expected in ["pgbus.fan_out()", "pgbus.notify_at_commit()"] {
+        assert!(names.iter().any(|n| n == expected), "{names:?}");
+    }
+    assert!(
+        names.iter().any(|n| n.starts_with("pgbus.sweep(")),
+        "{names:?}"
+    );
+    for row in &rows {
+        let name: String = row.get(0);
+        let config: Vec<String> = row.get(1);
+        let path = config
+            .iter()
+            .find_map(|c| c.strip_prefix("search_path="))
+            .unwrap_or_else(|| panic!("{name} has no search_path: {config:?}"));
+        let parts: Vec<&str> = path
+            .split(',')
+            .map(|p| p.trim().trim_matches('"'))
+            .collect();
+        assert_eq!(
+            parts,
+            ["pg_catalog", "pgbus", "pg_temp"],
+            "{name} runs with search_path {path}"
+        );
+    }
+}
+
+/// The escalation: a publisher shadows the types an owner-rights function uses with
+/// temporary domains whose CHECK runs its own code, then publishes. With pg_temp last in
+/// the pinned search_path its code never runs; with the path of earlier versions it
+/// made the publisher a superuser, which shows that the test can fail.
+#[tokio::test]
+async fn a_publisher_cannot_run_code_with_the_owners_rights_through_pg_temp() {
+    let db = common::test_db().await;
+    let h = Hostile::new(&db).await;
+    h.admin
+        .batch_execute(
+            "INSERT INTO pgbus.subscriptions (name, patterns, ordered) VALUES ('o', '{*}', true);
+             INSERT INTO pgbus.subscriptions (name, patterns) VALUES ('u', '{*}');",
+        )
+        .await
+        .unwrap();
+    let me = h.publisher_name().to_string();
+    let shadow = format!(
+        "CREATE FUNCTION pg_temp.escalate() RETURNS boolean LANGUAGE plpgsql AS $f$
+         BEGIN
+             IF current_user <> '{me}' THEN
+                 EXECUTE 'ALTER ROLE {me} SUPERUSER';
+             END IF;
+             RETURN true;
+         END $f$;
+         CREATE DOMAIN pg_temp.text AS pg_catalog.text CHECK (pg_temp.escalate());
+         CREATE DOMAIN pg_temp.int8 AS pg_catalog.int8 CHECK (pg_temp.escalate());
+         CREATE DOMAIN pg_temp.bigint AS pg_catalog.int8 CHECK (pg_temp.escalate());
+         CREATE DOMAIN pg_temp.bool AS pg_catalog.bool CHECK (pg_temp.escalate());
+         CREATE DOMAIN pg_temp.boolean AS pg_catalog.bool CHECK (pg_temp.escalate());
+         CREATE DOMAIN pg_temp.timestamptz AS pg_catalog.timestamptz CHECK (pg_temp.escalate());
+         CREATE DOMAIN pg_temp.jsonb AS pg_catalog.jsonb CHECK (pg_temp.escalate());
+         CREATE TEMP TABLE subscriptions (name text, patterns text[], ordered bool);
+         CREATE TEMP TABLE deliveries (subscription text);
+         CREATE TEMP TABLE consumers (id text, awake bool, expires_at timestamptz);"
+    );
+    let publish = "SELECT pgbus.publish('order.placed', '{}', ordering_key => 'k1');
+                   INSERT INTO pgbus.events (event_name, ordering_key) VALUES ('order.paid', 'k1')";
+
+    // With today's functions: nothing runs as the owner, and the events are delivered
+    // to both subscriptions as usual.
+    h.publisher.batch_execute(&shadow).await.unwrap();
+    h.publisher.batch_execute(publish).await.unwrap();
+    assert!(
+        !h.is_superuser(&me).await,
+        "the publisher became a superuser"
+    );
+    let deliveries = count(&h.admin, "SELECT count(*) FROM pgbus.deliveries").await;
+    assert_eq!(deliveries, 4);
+
+    // The same with the search_path of earlier versions (pg_temp implicitly first).
+    h.admin
+        .batch_execute(
+            "ALTER FUNCTION pgbus.fan_out() SET search_path = pg_catalog, pgbus;
+             ALTER FUNCTION pgbus.notify_at_commit() SET search_path = pg_catalog, pgbus;",
+        )
+        .await
+        .unwrap();
+    let _ = h.publisher.batch_execute(publish).await;
+    assert!(
+        h.is_superuser(&me).await,
+        "the negative control did not escalate: the test cannot tell"
+    );
+}
+
+/// The consumer's owner-rights function, the retention sweep, shadowed the same way.
+#[tokio::test]
+async fn a_consumer_cannot_run_code_with_the_owners_rights_through_the_sweep() {
+    let db = common::test_db().await;
+    let h = Hostile::new(&db).await;
+    let me = h.consumer_name().to_string();
+    h.admin
+        .batch_execute(
+            "INSERT INTO pgbus.events (event_name, created_at) VALUES ('a.b', now() - interval '30 days')",
+        )
+        .await
+        .unwrap();
+    h.consumer
+        .batch_execute(&format!(
+            "CREATE FUNCTION pg_temp.escalate() RETURNS boolean LANGUAGE plpgsql AS $f$
+             BEGIN
+                 IF current_user <> '{me}' THEN
+                     EXECUTE 'ALTER ROLE {me} SUPERUSER';
+                 END IF;
+                 RETURN true;
+             END $f$;
+             CREATE DOMAIN pg_temp.timestamptz AS pg_catalog.timestamptz CHECK (pg_temp.escalate());
+             CREATE DOMAIN pg_temp.int8 AS pg_catalog.int8 CHECK (pg_temp.escalate());
+             CREATE DOMAIN pg_temp.bool AS pg_catalog.bool CHECK (pg_temp.escalate());
+             CREATE TEMP TABLE events (seq bigint, created_at timestamptz);
+             CREATE TEMP TABLE settings (min_retention interval);"
+        ))
+        .await
+        .unwrap();
+    let swept = pgbus::admin::sweep(&h.consumer, Duration::from_secs(60), 10)
+        .await
+        .unwrap();
+    assert_eq!(swept.events, 1);
+    assert!(
+        !h.is_superuser(&me).await,
+        "the consumer became a superuser"
+    );
+}
+
+/// Grants are as narrow as they read: a publisher writes only the publishable columns,
+/// a consumer never deletes from the log nor inserts deliveries, and neither reaches
+/// the operators' functions. Every refused attempt leaves every table as it was.
+#[tokio::test]
+async fn grants_are_column_level_and_refusals_change_nothing() {
+    let db = common::test_db().await;
+    let h = Hostile::new(&db).await;
+    h.admin
+        .batch_execute(
+            "INSERT INTO pgbus.subscriptions (name, patterns) VALUES ('s', '{*}');
+             SELECT pgbus.publish('a.b', '{\"n\": 1}', id => 'kept');",
+        )
+        .await
+        .unwrap();
+    let before = h.tables().await;
+    let denied = SqlState::INSUFFICIENT_PRIVILEGE;
+    for sql in [
+        // A chosen seq would block every later publish on the primary key.
+        "INSERT INTO pgbus.events (seq, event_name) OVERRIDING SYSTEM VALUE VALUES (1000000, 'a.b')",
+        "INSERT INTO pgbus.events (event_name, created_at) VALUES ('a.b', now() - interval '1 year')",
+        "UPDATE pgbus.settings SET min_retention = '0'",
+        "SELECT pgbus.sweep(0, 100, 1)",
+        "SELECT * FROM pgbus.configure_subscription('s', p_ordered => true)",
+        "SELECT * FROM pgbus.purge_dead(NULL, NULL)",
+        "DELETE FROM pgbus.deliveries",
+    ] {
+        assert_eq!(
+            code(h.publisher.execute(sql, &[]).await),
+            denied,
+            "publisher: {sql}"
+        );
+    }
+    for sql in [
+        "DELETE FROM pgbus.events",
+        "DELETE FROM pgbus.events WHERE id = 'kept'",
+        "INSERT INTO pgbus.deliveries (subscription, event_seq) VALUES ('s', 1)",
+        "INSERT INTO pgbus.events (event_name) VALUES ('a.b')",
+        "UPDATE pgbus.settings SET min_retention = '0'",
+        "TRUNCATE pgbus.events",
+    ] {
+        assert_eq!(
+            code(h.consumer.execute(sql, &[]).await),
+            denied,
+            "consumer: {sql}"
+        );
+    }
+    assert_eq!(h.tables().await, before);
+
+    // The sweep deletes only what retention allows, whatever the consumer asks for: not
+    // an event younger than the owner's floor (1 hour by default), never one that a
+    // delivery still needs.
+    h.admin
+        .batch_execute(
+            "UPDATE pgbus.subscriptions SET patterns = '{a.*}' WHERE name = 's';
+             INSERT INTO pgbus.events (id, event_name, created_at) VALUES
+               ('young-done', 'z.z', now() - interval '30 minutes'),
+               ('old-done', 'z.z', now() - interval '30 days'),
+               ('old-pending', 'a.b', now() - interval '30 days');",
+        )
+        .await
+        .unwrap();
+    let swept = pgbus::admin::sweep(&h.consumer, Duration::from_millis(1), 100)
+        .await
+        .unwrap();
+    assert_eq!(swept.events, 1);
+    let left: Vec<String> = h
+        .admin
+        .query("SELECT id FROM pgbus.events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["kept", "old-pending", "young-done"]);
+}
+
+/// The switch that once turned the key locks off is gone: a session that sets it still
+/// waits for another transaction's lock on the same key.
+#[tokio::test]
+async fn no_setting_turns_the_key_locks_off() {
+    let db = common::test_db().await;
+    let h = Hostile::new(&db).await;
+    h.admin
+        .batch_execute(
+            "INSERT INTO pgbus.subscriptions (name, patterns, ordered) VALUES ('o', '{*}', true)",
+        )
+        .await
+        .unwrap();
+    let mut holder = connect(&as_role(&db.config(), h.publisher_name()))
+        .await
+        .unwrap();
+    let tx = holder.transaction().await.unwrap();
+    tx.batch_execute("SELECT pgbus.publish('a.b', '{}', ordering_key => 'k')")
+        .await
+        .unwrap();
+    let err = h
+        .publisher
+        .batch_execute(
+            "SET pgbus.key_locks = off;
+             BEGIN;
+             SET LOCAL lock_timeout = '300ms';
+             SELECT pgbus.publish('a.b', '{}', ordering_key => 'k');",
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::LOCK_NOT_AVAILABLE), "{err:?}");
+    h.publisher.batch_execute("ROLLBACK").await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        count(
+            &h.admin,
+            "SELECT count(*) FROM pgbus.deliveries WHERE is_head"
+        )
+        .await,
+        1
+    );
 }

@@ -352,6 +352,41 @@ a consumer registers its subscription again when it starts.")]
         #[arg(long)]
         json: bool,
     },
+    /// Change a subscription's settings for every consumer of it.
+    #[command(after_help = "\
+Examples:
+  pgbus subscriptions set ship --ordered --on-dead skip
+  pgbus subscriptions set ship --unordered
+  pgbus subscriptions set audit --pattern 'order.*' --pattern 'invoice.*' --max-attempts 10
+
+Safe while publishers and consumers run: it waits for the publishes and settlements that
+read the old settings, and converts the backlog in the same transaction. --ordered gives
+each key one head, its oldest waiting delivery (deliveries already processing finish,
+or are retried, unordered; dead letters stay aside until retried). --unordered makes every waiting
+delivery claimable at once. New patterns apply to events published from then on.
+Consumers started without these options follow the stored settings.")]
+    Set {
+        /// The subscription.
+        name: String,
+        /// New event-name patterns (repeatable; replaces the stored ones).
+        #[arg(long = "pattern", short)]
+        patterns: Vec<String>,
+        /// Attempts before a delivery becomes a dead letter.
+        #[arg(long)]
+        max_attempts: Option<i32>,
+        /// Deliver each ordering key's events one at a time, in commit order.
+        #[arg(long, conflicts_with = "unordered")]
+        ordered: bool,
+        /// Deliver events in any order.
+        #[arg(long)]
+        unordered: bool,
+        /// What a key's dead head does in an ordered subscription.
+        #[arg(long, value_enum)]
+        on_dead: Option<super::consume::OnDead>,
+        /// Print a JSON object.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub(crate) async fn subscriptions(
@@ -398,6 +433,73 @@ pub(crate) async fn subscriptions(
                         &["NAME", "PATTERNS", "MAX ATTEMPTS", "CONSUMERS", "CREATED"],
                         &rows
                     )
+                );
+            }
+        }
+        SubscriptionsCommand::Set {
+            name,
+            patterns,
+            max_attempts,
+            ordered,
+            unordered,
+            on_dead,
+            json,
+        } => {
+            let mut change = admin::SubscriptionChange::new();
+            if !patterns.is_empty() {
+                change = change.patterns(patterns);
+            }
+            if let Some(n) = max_attempts {
+                change = change.max_attempts(n);
+            }
+            if ordered || unordered {
+                change = change.ordered(ordered);
+            }
+            if let Some(on_dead) = on_dead {
+                change = change.on_dead(on_dead.policy());
+            }
+            if change == admin::SubscriptionChange::new() {
+                return Err(usage(
+                    "error: nothing to change: give --pattern, --max-attempts, --ordered, \
+                     --unordered or --on-dead",
+                ));
+            }
+            let Some(converted) = admin::configure_subscription(&client, &name, &change).await?
+            else {
+                return Err(failed(format!("error: no subscription {name:?}")));
+            };
+            let settings = admin::subscription_settings(&client, &name)
+                .await?
+                .ok_or_else(|| failed(format!("error: subscription {name:?} was dropped")))?;
+            if json {
+                print_json(&json!({
+                    "name": name,
+                    "patterns": settings.patterns,
+                    "max_attempts": settings.max_attempts,
+                    "ordered": settings.ordered,
+                    "on_dead": if settings.on_dead == pgbus::DeadHeadPolicy::Skip { "skip" } else { "block" },
+                    "converted": converted,
+                }));
+            } else {
+                println!(
+                    "subscription {name:?}: patterns {}, max attempts {}, {}{}; {converted} waiting deliver{} converted",
+                    settings.patterns.join(","),
+                    settings.max_attempts,
+                    if settings.ordered {
+                        "ordered"
+                    } else {
+                        "unordered"
+                    },
+                    if settings.ordered {
+                        if settings.on_dead == pgbus::DeadHeadPolicy::Skip {
+                            " (dead heads skipped)"
+                        } else {
+                            " (dead heads block their key)"
+                        }
+                    } else {
+                        ""
+                    },
+                    if converted == 1 { "y" } else { "ies" }
                 );
             }
         }

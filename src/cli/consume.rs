@@ -41,11 +41,13 @@ a dead letter (see `pgbus dead`).
 SIGINT or SIGTERM stops it gracefully: nothing more is claimed, deliveries in progress
 finish (up to --shutdown-timeout), the rest are released for another consumer.")]
 pub(crate) struct ConsumeArgs {
-    /// The subscription's name; registered (or its patterns updated) at start.
+    /// The subscription's name: created at start if new; an existing one is joined with
+    /// its stored settings.
     #[arg(long, short)]
     subscription: String,
-    /// An event-name pattern: order.placed, order.* or * (repeatable).
-    #[arg(long = "pattern", short, required = true)]
+    /// An event-name pattern: order.placed, order.* or * (repeatable). Required for a new
+    /// subscription; for an existing one, must match the stored patterns.
+    #[arg(long = "pattern", short)]
     patterns: Vec<String>,
     /// Run this shell command for each delivery instead of printing it.
     #[arg(long, value_name = "CMD")]
@@ -53,9 +55,10 @@ pub(crate) struct ConsumeArgs {
     /// How many deliveries are handled at once.
     #[arg(long, default_value_t = pgbus::DEFAULT_CONCURRENCY)]
     concurrency: usize,
-    /// Attempts before a delivery becomes a dead letter.
-    #[arg(long, default_value_t = pgbus::DEFAULT_MAX_ATTEMPTS)]
-    max_attempts: i32,
+    /// Attempts before a delivery becomes a dead letter (default: the stored value, 25
+    /// for a new subscription).
+    #[arg(long)]
+    max_attempts: Option<i32>,
     /// The first retry delay; it doubles with each attempt (with jitter, up to 1h).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     retry_base: Duration,
@@ -80,12 +83,22 @@ pub(crate) struct ConsumeArgs {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     shutdown_timeout: Duration,
     /// Deliver each ordering key's events one at a time, in the order they committed
-    /// (the key: the event's ordering key, else its aggregate "type:id").
-    #[arg(long)]
+    /// (the key: the event's ordering key, else its aggregate "type:id"). Default: the
+    /// stored setting (unordered for a new subscription).
+    #[arg(long, conflicts_with = "unordered")]
     ordered: bool,
-    /// With --ordered: what a key's dead head does (block the key, or skip the head).
-    #[arg(long, value_enum, default_value_t = OnDead::Block, requires = "ordered")]
-    on_dead: OnDead,
+    /// Deliver events in any order (see --ordered).
+    #[arg(long)]
+    unordered: bool,
+    /// What a key's dead head does in an ordered subscription (block the key, or skip the
+    /// head). Default: the stored setting (block for a new subscription).
+    #[arg(long, value_enum)]
+    on_dead: Option<OnDead>,
+    /// Change the subscription's stored settings to the ones given here, for every
+    /// consumer (as `pgbus subscriptions set` does). Without it, settings that differ from
+    /// the stored ones make consume refuse to start.
+    #[arg(long)]
+    reconfigure: bool,
 }
 
 /// `--on-dead`.
@@ -95,6 +108,15 @@ pub(crate) enum OnDead {
     Block,
     /// The dead head is set aside (listed by `pgbus dead list`) and the key goes on.
     Skip,
+}
+
+impl OnDead {
+    pub(crate) fn policy(self) -> DeadHeadPolicy {
+        match self {
+            OnDead::Block => DeadHeadPolicy::Block,
+            OnDead::Skip => DeadHeadPolicy::Skip,
+        }
+    }
 }
 
 /// What the consumer did, reported when it stops.
@@ -117,8 +139,12 @@ enum Sink {
 
 pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Failure> {
     let config = super::database_config(url)?;
-    if args.max_attempts < 1 {
+    if args.max_attempts.is_some_and(|n| n < 1) {
         return Err(usage("error: --max-attempts must be at least 1"));
+    }
+    let mut retry = RetryPolicy::exponential(args.retry_base);
+    if let Some(n) = args.max_attempts {
+        retry = retry.max_attempts(n);
     }
     let mut builder = Bus::builder(config)
         .concurrency(args.concurrency)
@@ -126,30 +152,32 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         .poll_interval(args.poll_interval)
         .poll_only(args.poll_only)
         .shutdown_timeout(args.shutdown_timeout)
-        .retry(RetryPolicy::exponential(args.retry_base).max_attempts(args.max_attempts));
+        .reconfigure(args.reconfigure)
+        .retry(retry);
     if let Some(listen_url) = &args.listen_url {
         let listen = super::database_config(Some(listen_url))
             .map_err(|f| usage(f.message.replace("DATABASE_URL", "--listen-url")))?;
         builder = builder.listen_config(listen);
     }
     let mut bus = builder.build()?;
-    let on_dead = match args.on_dead {
-        OnDead::Block => DeadHeadPolicy::Block,
-        OnDead::Skip => DeadHeadPolicy::Skip,
-    };
-    let subscription = bus.subscribe_with(
-        &args.subscription,
-        args.patterns.clone(),
-        SubscriptionOptions::new()
-            .ordered(args.ordered)
-            .on_dead(on_dead),
-    )?;
+    let mut options = SubscriptionOptions::new();
+    if args.ordered || args.unordered {
+        options = options.ordered(args.ordered);
+    }
+    if let Some(on_dead) = args.on_dead {
+        options = options.on_dead(on_dead.policy());
+    }
+    let subscription = bus.subscribe_with(&args.subscription, args.patterns.clone(), options)?;
     let running = bus.start().await?;
     let stop = super::shutdown_signal()?;
     eprintln!(
         "pgbus: consuming {:?} ({}) as worker {}; stop with Ctrl-C or SIGTERM",
         args.subscription,
-        args.patterns.join(", "),
+        if args.patterns.is_empty() {
+            "its stored patterns".to_string()
+        } else {
+            args.patterns.join(", ")
+        },
         running.worker_id()
     );
 

@@ -1,0 +1,649 @@
+-- pgbus schema, version 5: least privilege that holds, and heads that survive operators,
+-- isolation levels and concurrent configuration changes.
+--
+-- 1. Every owner-rights (SECURITY DEFINER) function pins its search_path with pg_temp
+--    LAST. PostgreSQL searches pg_temp first for relations and types unless it is named,
+--    so a caller could otherwise shadow `text` or a table with an object of its own and
+--    have it used with the owner's rights.
+-- 2. Publishers may insert only the publishable columns of the log (not seq, not
+--    created_at); consumers may no longer delete from it: the retention sweep is an
+--    owner-rights function that deletes only what the retention allows.
+-- 3. No setting a caller can change alters what owner-rights code does (the key-lock
+--    switch is gone).
+-- 4. A subscription's settings change only under an exclusive configuration lock that
+--    every fan-out and settlement takes shared, so a change never splits one publish or
+--    settlement between two modes, and converts the backlog in one step.
+-- 5. Heads are decided from what the key locks protect, whatever the caller's isolation
+--    level; every path that removes a head promotes the next one in the same transaction.
+
+-- The advisory lock that serializes changes of subscription settings ("pgbus_cf").
+-- Fan-out, settlement, reaping and head repairs take it shared (cheap, never waiting on
+-- each other); changing a subscription takes it exclusively, so it waits for every
+-- transaction that read the old settings to end, and those after it read the new ones.
+CREATE FUNCTION pgbus.lock_config(exclusive boolean) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF exclusive THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock(8099550711435453286);
+    ELSE
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(8099550711435453286);
+    END IF;
+END
+$$;
+
+-- Raised where a function decides from the latest committed state and so needs a fresh
+-- snapshot per statement.
+CREATE FUNCTION pgbus.require_read_committed(what text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION '% must run in a READ COMMITTED transaction (this one is %)',
+            what, pg_catalog.current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+END
+$$;
+
+-- Keys are always locked: no setting turns this off.
+CREATE OR REPLACE FUNCTION pgbus.lock_keys(subs text[], keys text[]) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_catalog.pg_advisory_xact_lock(h)
+    FROM (SELECT DISTINCT pg_catalog.hashtextextended(s || pg_catalog.chr(31) || k, 7305) AS h
+          FROM unnest(subs, keys) AS t(s, k)
+          WHERE k IS NOT NULL
+          ORDER BY 1) AS sorted;
+END
+$$;
+
+ALTER FUNCTION pgbus.notify_at_commit() SET search_path = pg_catalog, pgbus, pg_temp;
+
+-- Fan-out, rewritten:
+-- * it takes the configuration lock shared before reading the subscriptions, and reads
+--   them once: every delivery of this statement follows one version of the settings;
+-- * under REPEATABLE READ or SERIALIZABLE, whose snapshot may be older than a change of
+--   the settings, it locks the subscriptions it read: one changed since the snapshot
+--   raises a serialization failure (40001: retry the transaction) instead of filing
+--   deliveries under stale settings;
+-- * heads are decided from what the key locks protect, not from the snapshot (below).
+CREATE OR REPLACE FUNCTION pgbus.fan_out() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp SET jit = off AS $$
+DECLARE
+    v_subs text[];
+    v_seqs bigint[];
+    v_avail timestamptz[];
+    v_keys text[];
+    v_lock_subs text[];
+    v_lock_keys text[];
+    v_pos bigint;
+    v_first record;
+    v_lock_timeout text := pg_catalog.current_setting('lock_timeout');
+    v_snapshot boolean := pg_catalog.current_setting('transaction_isolation') <> 'read committed';
+BEGIN
+    PERFORM pgbus.lock_config(false);
+
+    -- One read of the subscriptions: (subscription, event, due, key). The key is set
+    -- only where the subscription is ordered and the event has one.
+    SELECT array_agg(m.sub), array_agg(m.seq), array_agg(m.available_at), array_agg(m.key)
+      INTO v_subs, v_seqs, v_avail, v_keys
+    FROM (SELECT s.name AS sub, e.seq, e.available_at,
+                 CASE WHEN s.ordered
+                      THEN pgbus.event_key(e.ordering_key, e.aggregate_type, e.aggregate_id)
+                 END AS key
+          FROM new_events AS e
+          JOIN pgbus.subscriptions AS s
+            ON EXISTS (SELECT 1 FROM unnest(s.patterns) AS p
+                       WHERE pgbus.pattern_matches(p, e.event_name))) AS m;
+    IF v_subs IS NULL THEN
+        RETURN NULL;
+    END IF;
+
+    IF v_snapshot THEN
+        -- Fails with 40001 if a matched subscription changed since this snapshot.
+        PERFORM 1 FROM pgbus.subscriptions AS s
+        WHERE s.name = ANY (v_subs)
+        ORDER BY s.name
+        FOR SHARE;
+    END IF;
+
+    -- Unordered deliveries, and events without a key: every one is a head.
+    INSERT INTO pgbus.deliveries (subscription, event_seq, available_at)
+    SELECT t.sub, t.seq, t.available_at
+    FROM unnest(v_subs, v_seqs, v_avail, v_keys) AS t(sub, seq, available_at, key)
+    WHERE t.key IS NULL;
+
+    SELECT array_agg(k.sub), array_agg(k.key) INTO v_lock_subs, v_lock_keys
+    FROM (SELECT DISTINCT t.sub, t.key FROM unnest(v_subs, v_keys) AS t(sub, key)
+          WHERE t.key IS NOT NULL) AS k;
+    IF v_lock_subs IS NULL THEN
+        RETURN NULL;
+    END IF;
+
+    -- Ordered: lock the keys, then decide heads with a fresh snapshot (the statements
+    -- below), which sees every earlier holder's committed rows.
+    PERFORM pgbus.lock_keys(v_lock_subs, v_lock_keys);
+    v_pos := nextval('pgbus.key_pos_seq');
+
+    -- Under READ COMMITTED this statement's snapshot is fresh (taken after the locks):
+    -- a key has a head exactly when this snapshot shows one. Under REPEATABLE READ or
+    -- SERIALIZABLE the snapshot is the transaction's, possibly older than the lock, so
+    -- the deliveries go in as followers and each key's first one then tries to become
+    -- the head, checked at once against the one-head constraint, which reads the latest
+    -- committed rows: it becomes the head exactly when the key has none.
+    INSERT INTO pgbus.deliveries (subscription, event_seq, available_at, ordering_key, is_head, key_pos)
+    SELECT t.sub, t.seq, t.available_at, t.key,
+           NOT v_snapshot
+             AND row_number() OVER (PARTITION BY t.sub, t.key ORDER BY t.seq) = 1
+             AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
+                             WHERE d.subscription = t.sub AND d.ordering_key = t.key AND d.is_head),
+           v_pos
+    FROM unnest(v_subs, v_seqs, v_avail, v_keys) AS t(sub, seq, available_at, key)
+    WHERE t.key IS NOT NULL;
+
+    IF v_snapshot THEN
+        FOR v_first IN
+            SELECT DISTINCT ON (t.sub, t.key) t.sub, t.key, t.seq
+            FROM unnest(v_subs, v_seqs, v_keys) AS t(sub, seq, key)
+            WHERE t.key IS NOT NULL
+            ORDER BY t.sub, t.key, t.seq
+        LOOP
+            -- The check may have to wait for a transaction that is changing the key's
+            -- head row (a claim), whose own check at commit may wait for this one: it
+            -- waits briefly, and otherwise reports a serialization failure instead of
+            -- a deadlock.
+            BEGIN
+                PERFORM pg_catalog.set_config('lock_timeout', '50ms', true);
+                UPDATE pgbus.deliveries AS d SET is_head = true
+                WHERE d.subscription = v_first.sub AND d.event_seq = v_first.seq;
+                SET CONSTRAINTS pgbus.deliveries_one_head IMMEDIATE;
+                SET CONSTRAINTS pgbus.deliveries_one_head DEFERRED;
+                PERFORM pg_catalog.set_config('lock_timeout', v_lock_timeout, true);
+            EXCEPTION
+                WHEN exclusion_violation THEN
+                    NULL; -- the key has a head: this delivery waits behind it
+                WHEN lock_not_available THEN
+                    RAISE EXCEPTION 'could not serialize access: the head of ordering key % is being changed concurrently', v_first.key
+                        USING ERRCODE = 'serialization_failure', HINT = 'retry the transaction';
+            END;
+        END LOOP;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Settlement, as in migration 4, but under the configuration lock (taken before the
+-- subscriptions are read, so a concurrent change of ordering is either wholly before or
+-- wholly after it) and only in READ COMMITTED.
+CREATE OR REPLACE FUNCTION pgbus.settle(
+    ack_subs text[], ack_seqs bigint[], ack_attempts integer[],
+    fail_subs text[], fail_seqs bigint[], fail_attempts integer[], fail_errors text[],
+    fail_delays_ms bigint[], fail_permanent boolean[],
+    rel_subs text[], rel_seqs bigint[], rel_attempts integer[],
+    worker text)
+RETURNS TABLE (kind text, subscription text, event_seq bigint)
+LANGUAGE plpgsql SET jit = off AS $$
+DECLARE
+    v_subs text[];
+    v_keys text[];
+BEGIN
+    PERFORM pgbus.require_read_committed('pgbus.settle');
+    PERFORM pgbus.lock_config(false);
+    -- Only deliveries of ordered subscriptions are looked up: with none, this is free.
+    SELECT array_agg(d.subscription), array_agg(d.ordering_key) INTO v_subs, v_keys
+    FROM (SELECT * FROM unnest(ack_subs, ack_seqs)
+          UNION ALL SELECT * FROM unnest(fail_subs, fail_seqs)) AS t(s, q)
+    JOIN pgbus.deliveries AS d ON d.subscription = t.s AND d.event_seq = t.q
+    WHERE d.ordering_key IS NOT NULL;
+    IF v_subs IS NOT NULL THEN
+        PERFORM pgbus.lock_keys(v_subs, v_keys);
+    END IF;
+
+    RETURN QUERY
+    WITH acks AS (
+      SELECT * FROM unnest(ack_subs, ack_seqs, ack_attempts) AS a(subscription, event_seq, attempt)
+    ),
+    fails AS (
+      SELECT * FROM unnest(fail_subs, fail_seqs, fail_attempts, fail_errors, fail_delays_ms, fail_permanent)
+        AS f(subscription, event_seq, attempt, error, delay_ms, permanent)
+    ),
+    releases AS (
+      SELECT * FROM unnest(rel_subs, rel_seqs, rel_attempts) AS r(subscription, event_seq, attempt)
+    ),
+    acked AS (
+      DELETE FROM pgbus.deliveries AS d
+      USING acks
+      WHERE d.subscription = acks.subscription AND d.event_seq = acks.event_seq
+        AND d.attempts = acks.attempt AND d.locked_by = worker
+      RETURNING d.subscription, d.event_seq, d.ordering_key, d.is_head
+    ),
+    failed AS (
+      UPDATE pgbus.deliveries AS d
+      SET status = CASE WHEN fails.permanent OR d.attempts >= coalesce(s.max_attempts, 1)
+                        THEN 'dead' ELSE 'pending' END,
+          is_head = CASE WHEN (fails.permanent OR d.attempts >= coalesce(s.max_attempts, 1))
+                              AND d.ordering_key IS NOT NULL AND s.on_dead = 'skip'
+                         THEN false ELSE d.is_head END,
+          available_at = now() + fails.delay_ms * interval '1 millisecond',
+          locked_until = NULL,
+          last_error = fails.error
+      FROM fails LEFT JOIN pgbus.subscriptions AS s ON s.name = fails.subscription
+      WHERE d.subscription = fails.subscription AND d.event_seq = fails.event_seq
+        AND d.attempts = fails.attempt AND d.locked_by = worker AND d.status = 'processing'
+      RETURNING d.subscription, d.event_seq, d.attempts, d.status, d.ordering_key, d.is_head,
+                fails.error
+    ),
+    history AS (
+      INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error, worker)
+      SELECT f.subscription, f.event_seq, f.attempts, f.error, worker FROM failed AS f
+    ),
+    released AS (
+      UPDATE pgbus.deliveries AS d
+      SET status = 'pending', attempts = d.attempts - 1, locked_until = NULL, available_at = now()
+      FROM releases
+      WHERE d.subscription = releases.subscription AND d.event_seq = releases.event_seq
+        AND d.attempts = releases.attempt AND d.locked_by = worker AND d.status = 'processing'
+      RETURNING d.subscription, d.event_seq
+    ),
+    vacated AS (
+      SELECT x.subscription, x.ordering_key FROM acked AS x
+       WHERE x.ordering_key IS NOT NULL AND x.is_head
+      UNION
+      SELECT x.subscription, x.ordering_key FROM failed AS x
+       WHERE x.ordering_key IS NOT NULL AND x.status = 'dead' AND NOT x.is_head
+    ),
+    promoted AS (
+      UPDATE pgbus.deliveries AS d SET is_head = true
+      FROM vacated AS v
+      WHERE d.subscription = v.subscription
+        AND d.event_seq = pgbus.next_of_key(v.subscription, v.ordering_key)
+      RETURNING d.subscription, d.event_seq
+    ),
+    wake AS (
+      SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM promoted LIMIT 1) AS x
+      WHERE pgbus.notify_needed()
+    )
+    SELECT 'ack'::text, a.subscription, a.event_seq FROM acks AS a
+     WHERE NOT EXISTS (SELECT 1 FROM acked AS x
+                       WHERE x.subscription = a.subscription AND x.event_seq = a.event_seq)
+    UNION ALL
+    SELECT 'fail', f.subscription, f.event_seq FROM fails AS f
+     WHERE NOT EXISTS (SELECT 1 FROM failed AS x
+                       WHERE x.subscription = f.subscription AND x.event_seq = f.event_seq)
+    UNION ALL
+    SELECT 'release', r.subscription, r.event_seq FROM releases AS r
+     WHERE NOT EXISTS (SELECT 1 FROM released AS x
+                       WHERE x.subscription = r.subscription AND x.event_seq = r.event_seq)
+    UNION ALL
+    SELECT 'dead', x.subscription, x.event_seq FROM failed AS x WHERE x.status = 'dead'
+    UNION ALL
+    SELECT 'promoted', p.subscription, p.event_seq FROM promoted AS p
+    UNION ALL
+    SELECT 'woke', NULL, NULL FROM wake;
+END
+$$;
+
+-- Reaping, as in migration 4, under the configuration lock and in READ COMMITTED.
+CREATE OR REPLACE FUNCTION pgbus.reap(max_rows integer)
+RETURNS TABLE (returned bigint, dead bigint)
+LANGUAGE plpgsql SET jit = off AS $$
+DECLARE
+    v_subs text[];
+    v_seqs bigint[];
+    v_keys text[];
+BEGIN
+    PERFORM pgbus.require_read_committed('pgbus.reap');
+    PERFORM pgbus.lock_config(false);
+    SELECT array_agg(c.subscription), array_agg(c.event_seq), array_agg(c.ordering_key)
+      INTO v_subs, v_seqs, v_keys
+    FROM (SELECT d.subscription, d.event_seq, d.ordering_key FROM pgbus.deliveries AS d
+          WHERE d.status = 'processing' AND d.locked_until < now()
+          ORDER BY d.locked_until
+          LIMIT max_rows) AS c;
+    IF v_subs IS NULL THEN
+        RETURN QUERY SELECT 0::bigint, 0::bigint;
+        RETURN;
+    END IF;
+    PERFORM pgbus.lock_keys(v_subs, v_keys);
+
+    RETURN QUERY
+    WITH expired AS (
+      SELECT d.subscription, d.event_seq FROM pgbus.deliveries AS d
+      JOIN unnest(v_subs, v_seqs) AS c(subscription, event_seq)
+        ON d.subscription = c.subscription AND d.event_seq = c.event_seq
+      WHERE d.status = 'processing' AND d.locked_until < now()
+      FOR UPDATE OF d SKIP LOCKED
+    ),
+    reaped AS (
+      UPDATE pgbus.deliveries AS d
+      SET status = CASE WHEN d.attempts >= coalesce(s.max_attempts, 1) THEN 'dead' ELSE 'pending' END,
+          is_head = CASE WHEN d.attempts >= coalesce(s.max_attempts, 1)
+                              AND d.ordering_key IS NOT NULL AND s.on_dead = 'skip'
+                         THEN false ELSE d.is_head END,
+          available_at = now(),
+          locked_until = NULL,
+          last_error = 'lease expired (worker ' || coalesce(d.locked_by, 'unknown') || ')'
+      FROM expired LEFT JOIN pgbus.subscriptions AS s ON s.name = expired.subscription
+      WHERE d.subscription = expired.subscription AND d.event_seq = expired.event_seq
+      RETURNING d.subscription, d.event_seq, d.attempts, d.status, d.last_error, d.locked_by,
+                d.ordering_key, d.is_head
+    ),
+    history AS (
+      INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error, worker)
+      SELECT r.subscription, r.event_seq, r.attempts, r.last_error, r.locked_by FROM reaped AS r
+    ),
+    promoted AS (
+      UPDATE pgbus.deliveries AS d SET is_head = true
+      FROM (SELECT r.subscription, r.ordering_key FROM reaped AS r
+            WHERE r.ordering_key IS NOT NULL AND r.status = 'dead' AND NOT r.is_head) AS v
+      WHERE d.subscription = v.subscription
+        AND d.event_seq = pgbus.next_of_key(v.subscription, v.ordering_key)
+      RETURNING d.event_seq
+    ),
+    wake AS (
+      SELECT pg_notify('pgbus', '')
+      FROM (SELECT 1 FROM reaped AS r WHERE r.status = 'pending'
+            UNION ALL SELECT 1 FROM promoted) AS x
+      LIMIT 1
+    )
+    SELECT count(*) FILTER (WHERE r.status = 'pending'),
+           count(*) FILTER (WHERE r.status = 'dead') + 0 * (SELECT count(*) FROM wake)
+    FROM reaped AS r;
+END
+$$;
+
+-- Head repairs under the configuration lock, in READ COMMITTED.
+CREATE OR REPLACE FUNCTION pgbus.ensure_heads(subs text[], keys text[])
+RETURNS TABLE (subscription text, ordering_key text, event_seq bigint)
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pgbus.require_read_committed('pgbus.ensure_heads');
+    PERFORM pgbus.lock_config(false);
+    PERFORM pgbus.lock_keys(subs, keys);
+    RETURN QUERY
+    UPDATE pgbus.deliveries AS d SET is_head = true
+    FROM (SELECT DISTINCT t.s, t.k FROM unnest(subs, keys) AS t(s, k)
+          WHERE t.k IS NOT NULL) AS o
+    WHERE d.subscription = o.s
+      AND d.event_seq = pgbus.next_of_key(o.s, o.k)
+      AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS h
+                      WHERE h.subscription = o.s AND h.ordering_key = o.k AND h.is_head)
+    RETURNING d.subscription, d.ordering_key, d.event_seq;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION pgbus.skip_dead_head(p_subscription text, p_key text)
+RETURNS TABLE (skipped bigint, promoted bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_skipped bigint;
+    v_promoted bigint;
+BEGIN
+    PERFORM pgbus.require_read_committed('pgbus.skip_dead_head');
+    PERFORM pgbus.lock_config(false);
+    PERFORM pgbus.lock_keys(ARRAY[p_subscription], ARRAY[p_key]);
+    UPDATE pgbus.deliveries AS d SET is_head = false
+    WHERE d.subscription = p_subscription AND d.ordering_key = p_key
+      AND d.is_head AND d.status = 'dead'
+    RETURNING d.event_seq INTO v_skipped;
+    IF v_skipped IS NULL THEN
+        RETURN;
+    END IF;
+    UPDATE pgbus.deliveries AS d SET is_head = true
+    WHERE d.subscription = p_subscription
+      AND d.event_seq = pgbus.next_of_key(p_subscription, p_key)
+    RETURNING d.event_seq INTO v_promoted;
+    IF v_promoted IS NOT NULL THEN
+        PERFORM pg_notify('pgbus', '');
+    END IF;
+    RETURN QUERY SELECT v_skipped, v_promoted;
+END
+$$;
+
+-- Deletes dead letters (subscription and event id filters, NULL for all) with their
+-- failure history. A dead letter that was its key's head hands the head to the key's
+-- next delivery in the same transaction, so purging a blocked key unblocks it.
+-- Returns deliveries deleted, history rows deleted, heads promoted.
+CREATE FUNCTION pgbus.purge_dead(p_subscription text, p_event_id text)
+RETURNS TABLE (purged bigint, failures bigint, promoted bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_subs text[];
+    v_keys text[];
+BEGIN
+    PERFORM pgbus.require_read_committed('pgbus.purge_dead');
+    PERFORM pgbus.lock_config(false);
+    SELECT array_agg(d.subscription), array_agg(d.ordering_key) INTO v_subs, v_keys
+    FROM pgbus.deliveries AS d
+    WHERE d.status = 'dead' AND d.ordering_key IS NOT NULL AND d.is_head
+      AND (p_subscription IS NULL OR d.subscription = p_subscription)
+      AND (p_event_id IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = p_event_id));
+    IF v_subs IS NOT NULL THEN
+        PERFORM pgbus.lock_keys(v_subs, v_keys);
+    END IF;
+    RETURN QUERY
+    WITH gone AS (
+      DELETE FROM pgbus.deliveries AS d
+      WHERE d.status = 'dead'
+        AND (p_subscription IS NULL OR d.subscription = p_subscription)
+        AND (p_event_id IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = p_event_id))
+      RETURNING d.subscription, d.event_seq, d.ordering_key, d.is_head
+    ),
+    history AS (
+      DELETE FROM pgbus.delivery_failures AS f
+      USING gone AS g
+      WHERE f.subscription = g.subscription AND f.event_seq = g.event_seq
+      RETURNING 1
+    ),
+    heads AS (
+      UPDATE pgbus.deliveries AS d SET is_head = true
+      FROM (SELECT DISTINCT g.subscription, g.ordering_key FROM gone AS g
+            WHERE g.ordering_key IS NOT NULL AND g.is_head) AS v
+      WHERE d.subscription = v.subscription
+        AND d.event_seq = pgbus.next_of_key(v.subscription, v.ordering_key)
+      RETURNING 1
+    ),
+    wake AS (
+      SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM heads LIMIT 1) AS x
+    )
+    SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM history),
+           (SELECT count(*) FROM heads) + 0 * (SELECT count(*) FROM wake);
+END
+$$;
+
+-- Changes a subscription's settings (NULL: keep) as an operator action that is safe
+-- against concurrent publishers, settlers and reapers: it takes the configuration lock
+-- exclusively, so it waits for every transaction that read the old settings and the
+-- ones after it read the new ones, and converts the backlog in the same transaction.
+--
+-- Ordering on: every waiting delivery of an event with a key joins its key, ordered by
+--   event seq before anything published later; per key the oldest pending delivery is
+--   the head. Dead letters join as skipped (a retry gives their key a head if it needs
+--   one). Deliveries processing at the switch stay outside their key: they finish, or
+--   are retried, as the unordered deliveries they were claimed as, and never hold a
+--   key without a head.
+-- Ordering off: every delivery leaves its key and becomes claimable.
+-- Patterns apply to events published after the change.
+-- Returns whether the subscription exists, and how many deliveries were converted.
+CREATE FUNCTION pgbus.configure_subscription(
+    p_name text,
+    p_patterns text[] DEFAULT NULL,
+    p_max_attempts integer DEFAULT NULL,
+    p_ordered boolean DEFAULT NULL,
+    p_on_dead text DEFAULT NULL)
+RETURNS TABLE (found boolean, converted bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_was boolean;
+    v_now boolean;
+    v_converted bigint := 0;
+BEGIN
+    PERFORM pgbus.require_read_committed('pgbus.configure_subscription');
+    PERFORM pgbus.lock_config(true);
+    SELECT s.ordered INTO v_was FROM pgbus.subscriptions AS s WHERE s.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, 0::bigint;
+        RETURN;
+    END IF;
+    v_now := coalesce(p_ordered, v_was);
+    UPDATE pgbus.subscriptions AS s
+    SET patterns = coalesce(p_patterns, s.patterns),
+        max_attempts = coalesce(p_max_attempts, s.max_attempts),
+        ordered = v_now,
+        on_dead = coalesce(p_on_dead, s.on_dead),
+        updated_at = now()
+    WHERE s.name = p_name
+      AND (s.patterns, s.max_attempts, s.ordered, s.on_dead)
+          IS DISTINCT FROM (coalesce(p_patterns, s.patterns), coalesce(p_max_attempts, s.max_attempts),
+                            v_now, coalesce(p_on_dead, s.on_dead));
+
+    IF v_was AND NOT v_now THEN
+        UPDATE pgbus.deliveries AS d
+        SET is_head = true, ordering_key = NULL, key_pos = NULL
+        WHERE d.subscription = p_name AND (d.ordering_key IS NOT NULL OR NOT d.is_head);
+        GET DIAGNOSTICS v_converted = ROW_COUNT;
+    ELSIF v_now AND NOT v_was THEN
+        UPDATE pgbus.deliveries AS d
+        SET ordering_key = c.key,
+            key_pos = 0,
+            is_head = c.head
+        FROM (SELECT x.event_seq, x.key,
+                     x.status <> 'dead'
+                       AND row_number() OVER (PARTITION BY x.key, x.status = 'dead'
+                                              ORDER BY x.event_seq) = 1 AS head
+              FROM (SELECT d2.event_seq, d2.status,
+                           pgbus.event_key(e.ordering_key, e.aggregate_type, e.aggregate_id) AS key
+                    FROM pgbus.deliveries AS d2
+                    JOIN pgbus.events AS e ON e.seq = d2.event_seq
+                    WHERE d2.subscription = p_name AND d2.status <> 'processing') AS x
+              WHERE x.key IS NOT NULL) AS c
+        WHERE d.subscription = p_name AND d.event_seq = c.event_seq;
+        GET DIAGNOSTICS v_converted = ROW_COUNT;
+    END IF;
+    IF v_converted > 0 THEN
+        PERFORM pg_notify('pgbus', '');
+    END IF;
+    RETURN QUERY SELECT true, v_converted;
+END
+$$;
+
+-- Settings the owner keeps for everyone: the shortest retention the sweep honours,
+-- whoever asks for less.
+CREATE TABLE pgbus.settings (
+    only_row      boolean  PRIMARY KEY DEFAULT true CHECK (only_row),
+    min_retention interval NOT NULL DEFAULT '1 hour' CHECK (min_retention >= '0'::interval)
+);
+INSERT INTO pgbus.settings DEFAULT VALUES;
+
+-- One batch of the retention sweep, with the owner's rights, so that consumers need no
+-- DELETE on the log: deletes at most max_rows events created before
+-- now() - greatest(retention, settings.min_retention) that no delivery refers to, oldest
+-- first, with their failure history. Runs only when it gets the advisory lock lock_key
+-- (one sweep at a time). Returns whether it got the lock, events deleted, history rows
+-- deleted.
+CREATE FUNCTION pgbus.sweep(retention_ms bigint, max_rows integer, lock_key bigint)
+RETURNS TABLE (got boolean, events bigint, failures bigint)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp SET jit = off AS $$
+DECLARE
+    v_cutoff timestamptz;
+BEGIN
+    IF retention_ms IS NULL OR retention_ms < 0 OR max_rows IS NULL OR max_rows < 1 THEN
+        RAISE EXCEPTION 'pgbus.sweep: retention must be at least 0 and max_rows at least 1'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(lock_key) THEN
+        RETURN QUERY SELECT false, 0::bigint, 0::bigint;
+        RETURN;
+    END IF;
+    SELECT pg_catalog.now() - greatest(LEAST(retention_ms, 9000000000000000) * interval '1 millisecond',
+                                       st.min_retention)
+      INTO v_cutoff
+    FROM pgbus.settings AS st;
+    RETURN QUERY
+    WITH doomed AS (
+      SELECT e.seq FROM pgbus.events AS e
+      WHERE e.created_at < v_cutoff
+        AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d WHERE d.event_seq = e.seq)
+      ORDER BY e.created_at
+      LIMIT max_rows
+      FOR UPDATE OF e SKIP LOCKED
+    ),
+    gone_failures AS (
+      DELETE FROM pgbus.delivery_failures AS f
+      USING doomed
+      WHERE f.event_seq = doomed.seq
+      RETURNING 1
+    ),
+    swept AS (
+      DELETE FROM pgbus.events AS e USING doomed WHERE e.seq = doomed.seq
+      RETURNING 1
+    )
+    SELECT true, (SELECT count(*) FROM swept), (SELECT count(*) FROM gone_failures);
+END
+$$;
+REVOKE EXECUTE ON FUNCTION pgbus.sweep(bigint, integer, bigint) FROM PUBLIC;
+
+-- Rows that no client can decode stay out of the log (new rows; existing ones are not
+-- rechecked, and the claim dead-letters such a row alone).
+ALTER TABLE pgbus.events
+    ADD CONSTRAINT events_times_finite
+        CHECK (isfinite(occurred_at) AND isfinite(available_at) AND isfinite(created_at)) NOT VALID;
+
+-- The grants, narrowed.
+--
+-- A publisher inserts the publishable columns only: not seq (OVERRIDING SYSTEM VALUE
+-- would let it take sequence numbers from under every later publish) and not
+-- created_at (the retention clock). It reads the log (idempotency compares an id's
+-- content) and may "update" id to itself (ON CONFLICT ... DO UPDATE; the immutability
+-- trigger refuses any real change).
+CREATE OR REPLACE FUNCTION pgbus.grant_publisher(publisher regrole) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pgbus, pg_temp AS $$
+BEGIN
+    EXECUTE format('GRANT USAGE ON SCHEMA pgbus TO %s', publisher);
+    EXECUTE format('GRANT SELECT, UPDATE (id), INSERT (id, event_name, event_version, source, '
+                   'aggregate_type, aggregate_id, correlation_id, causation_id, occurred_at, '
+                   'payload, headers, available_at, ordering_key) ON pgbus.events TO %s', publisher);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION pgbus.publish(text, jsonb, jsonb, text, text, '
+                   'text, text, text, text, integer, timestamptz, text) TO %s', publisher);
+END
+$$;
+
+-- A consumer: claims, settles, extends and reaps deliveries (with their failure
+-- history), registers its subscriptions and itself, reads the events it delivers, and
+-- sweeps through pgbus.sweep. It never deletes from the log and never inserts
+-- deliveries (fan-out and replay do, with the owner's rights or as the owner).
+CREATE OR REPLACE FUNCTION pgbus.grant_consumer(consumer regrole) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog, pgbus, pg_temp AS $$
+BEGIN
+    EXECUTE format('GRANT USAGE ON SCHEMA pgbus TO %s', consumer);
+    EXECUTE format('GRANT SELECT ON pgbus.events, pgbus.settings TO %s', consumer);
+    EXECUTE format('GRANT SELECT, UPDATE, DELETE ON pgbus.deliveries TO %s', consumer);
+    EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON pgbus.delivery_failures, '
+                   'pgbus.consumers TO %s', consumer);
+    EXECUTE format('GRANT SELECT, INSERT, UPDATE ON pgbus.subscriptions TO %s', consumer);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION pgbus.sweep(bigint, integer, bigint) TO %s', consumer);
+END
+$$;
+
+-- Roles granted by earlier versions lose what they no longer need.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT a.grantee::regrole AS role, a.privilege_type
+        FROM pg_catalog.pg_class AS c, LATERAL pg_catalog.aclexplode(c.relacl) AS a
+        WHERE c.oid = 'pgbus.events'::regclass
+          AND a.grantee <> c.relowner AND a.grantee <> 0
+          AND a.privilege_type IN ('INSERT', 'DELETE')
+    LOOP
+        IF r.privilege_type = 'INSERT' THEN
+            EXECUTE format('REVOKE INSERT ON pgbus.events FROM %s', r.role);
+            PERFORM pgbus.grant_publisher(r.role);
+        ELSE
+            EXECUTE format('REVOKE DELETE ON pgbus.events FROM %s', r.role);
+            EXECUTE format('REVOKE INSERT ON pgbus.deliveries FROM %s', r.role);
+            PERFORM pgbus.grant_consumer(r.role);
+        END IF;
+    END LOOP;
+END
+$$;
