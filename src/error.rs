@@ -121,12 +121,54 @@ impl Error {
         }
     }
 
+    /// Whether the same statement may well succeed if it is simply tried again later:
+    /// the connection failed or the pool had none to give ([`Error::is_connection`]),
+    /// or PostgreSQL refused it for a reason that lies with the server and passes, not
+    /// with the data:
+    ///
+    /// - class 53, insufficient resources (`too_many_connections`, `out_of_memory`,
+    ///   `disk_full`, ...);
+    /// - `40001` serialization failure and `40P01` deadlock detected;
+    /// - `55P03` lock not available;
+    /// - `57014` query canceled: the statement ran past `statement_timeout` (a lock held
+    ///   elsewhere, an overloaded server) or was cancelled by an operator. The bus's own
+    ///   statements are small and quick, so a timeout says more about the server than
+    ///   about the statement;
+    /// - `25006` read-only transaction: connected to a standby, as during a failover.
+    ///
+    /// The bus retries these with backoff and never gives up on them while running
+    /// (nor drops a settlement because of them).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Timeout(_) => true,
+            _ if self.is_connection() => true,
+            _ => self.code().is_some_and(|c| transient_code(c.code())),
+        }
+    }
+
+    /// Whether PostgreSQL refused the statement because of a value in it (classes 22,
+    /// data exception, 23, integrity constraint violation, and 54, program limit
+    /// exceeded): retrying the same values cannot help, but the other rows of a batch
+    /// may be fine on their own.
+    pub(crate) fn is_data_fault(&self) -> bool {
+        self.code()
+            .is_some_and(|c| matches!(&c.code()[..2], "22" | "23" | "54"))
+    }
+
     pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
         Error::Invalid {
             what,
             reason: reason.into(),
         }
     }
+}
+
+/// Whether a SQLSTATE names a failure that passes (see [`Error::is_transient`]).
+pub(crate) fn transient_code(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("53")
+        || code.starts_with("57P")
+        || matches!(code, "40001" | "40P01" | "55P03" | "57014" | "25006")
 }
 
 /// The most bytes of an error text the bus stores: 8 KiB.
@@ -342,6 +384,22 @@ mod tests {
         let stored = storable_text(text);
         assert_eq!(stored.len(), MAX_ERROR_TEXT);
         assert!(stored.ends_with('\u{FFFD}'));
+    }
+
+    #[test]
+    fn transient_codes() {
+        for code in [
+            "08006", "08001", "53000", "53100", "53200", "53300", "53400", "57P01", "57P03",
+            "40001", "40P01", "55P03", "57014", "25006",
+        ] {
+            assert!(transient_code(code), "{code}");
+        }
+        for code in [
+            "22021", "22008", "22015", "23505", "23514", "54000", "42501", "42883", "XX000",
+            "40002", "55000",
+        ] {
+            assert!(!transient_code(code), "{code}");
+        }
     }
 
     #[test]
