@@ -14,7 +14,7 @@ use tokio_postgres::types::Type;
 use tracing::Instrument;
 
 use crate::bus::Shared;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::sql;
 use crate::subscribe::{Action, Delivery, Outcome, SettleMsg};
@@ -314,6 +314,14 @@ async fn sleep_mark(shared: &Shared) -> Result<()> {
 /// The most settlements written by one statement.
 const SETTLE_BATCH: usize = 2000;
 
+/// How many times a whole batch is tried when PostgreSQL refuses it for a reason that is
+/// neither passing nor plainly a value's fault, before it is split.
+const TRIES_BEFORE_SPLIT: u32 = 3;
+
+/// How many times a batch is tried, once the bus is stopping, while the database stays
+/// unreachable.
+const TRIES_WHILE_STOPPING: u32 = 5;
+
 /// The acker: writes settlements in batches (one statement each), answers the waiting
 /// callers, and keeps the stats. Runs until `stop` is cancelled and everything queued
 /// has been written (or could not be).
@@ -336,9 +344,10 @@ pub(crate) async fn run_acker(
                 while let Ok(m) = rx.try_recv() {
                     rest.push(m);
                 }
-                for chunk in rest.chunks_mut(SETTLE_BATCH) {
-                    let chunk: Vec<SettleMsg> = chunk.iter_mut().map(take_msg).collect();
-                    write_batch(&shared, chunk, true).await;
+                while !rest.is_empty() {
+                    let chunk: Vec<SettleMsg> =
+                        rest.drain(..rest.len().min(SETTLE_BATCH)).collect();
+                    write_batch(&shared, chunk, &stop).await;
                 }
                 return;
             }
@@ -349,121 +358,200 @@ pub(crate) async fn run_acker(
                 Err(_) => break,
             }
         }
-        write_batch(&shared, batch, stop.is_cancelled()).await;
+        write_batch(&shared, batch, &stop).await;
     }
 }
 
-fn take_msg(m: &mut SettleMsg) -> SettleMsg {
-    SettleMsg {
-        sub: m.sub.clone(),
-        permit: m.permit.take(),
-        subscription: m.subscription.clone(),
-        seq: m.seq,
-        attempt: m.attempt,
-        action: std::mem::replace(&mut m.action, Action::Release),
-        reply: m.reply.take(),
-    }
-}
-
-/// Writes one batch, retrying while the database is unreachable (bounded when stopping).
-async fn write_batch(shared: &Arc<Shared>, batch: Vec<SettleMsg>, stopping: bool) {
-    let mut tries: u32 = 0;
-    let result = loop {
-        match settle(shared, &batch).await {
-            Ok(r) => break Ok(r),
-            Err(e) => {
-                tries += 1;
-                let give_up = if e.is_connection() {
-                    stopping && tries >= 5
-                } else {
-                    tries >= 3
-                };
-                if give_up {
-                    break Err(e.to_string());
-                }
-                if tries == 1 {
-                    tracing::warn!(error = %e, n = batch.len(), "pgbus could not write settlements; retrying");
-                }
-                tokio::time::sleep(crate::listen::backoff_delay(tries)).await;
-            }
-        }
-    };
-    let mut held = shared.held.lock().expect("held lock");
-    for m in &batch {
-        if held.get(&(m.subscription.clone(), m.seq)) == Some(&m.attempt) {
-            held.remove(&(m.subscription.clone(), m.seq));
-        }
-    }
-    drop(held);
-    match result {
-        Ok(Settled {
-            rejected,
-            dead,
-            promoted,
-        }) => {
-            let mut retry_scheduled = false;
-            for mut m in batch {
-                let key = (m.subscription.clone(), m.seq);
-                let kind = action_kind(&m.action);
-                let ok = !rejected.contains(&(kind, key.clone()));
-                if ok {
-                    match &m.action {
-                        Action::Ack => {
-                            shared.stats.delivered.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Action::Fail { error, .. } => {
-                            shared.stats.failed.fetch_add(1, Ordering::Relaxed);
-                            if dead.contains(&key) {
-                                shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                                tracing::warn!(
-                                    messaging.destination.subscription.name = %m.subscription,
-                                    pgbus.event_seq = m.seq,
-                                    pgbus.attempt = m.attempt,
-                                    error = %error,
-                                    "pgbus delivery dead-lettered"
-                                );
-                            } else {
-                                retry_scheduled = true;
-                            }
-                        }
-                        Action::Release => {
-                            shared.stats.released.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                } else {
-                    shared.stats.stale_rejected.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(
-                        messaging.destination.subscription.name = %m.subscription,
-                        pgbus.event_seq = m.seq,
-                        pgbus.attempt = m.attempt,
-                        kind,
-                        "pgbus rejected a stale settlement: the lease had been taken over"
+/// Writes one batch of settlements: one statement, when it succeeds.
+///
+/// A statement that fails for a reason that passes ([`Error::is_transient`]: the
+/// connection, the pool, a lock, a timeout, a deadlock, too many connections) is retried
+/// with backoff for as long as the bus runs, and a few times once it is stopping. One
+/// that PostgreSQL refuses because of a value in it (or for another reason, after a few
+/// tries) is split in halves, each written on its own and split again if it fails, until
+/// the settlement at fault stands alone: only that one is given up (its waiter gets the
+/// error, its lease expires and the delivery returns); every other is written.
+async fn write_batch(
+    shared: &Arc<Shared>,
+    batch: Vec<SettleMsg>,
+    stop: &tokio_util::sync::CancellationToken,
+) {
+    let mut parts = vec![(batch, TRIES_BEFORE_SPLIT)];
+    while let Some((part, tries)) = parts.pop() {
+        match write_part(shared, &part, tries, stop).await {
+            Ok(settled) => applied(shared, part, settled),
+            Err(e) if part.len() > 1 && !e.is_transient() => {
+                if tries == TRIES_BEFORE_SPLIT {
+                    tracing::warn!(
+                        error = %e,
+                        n = part.len(),
+                        "pgbus could not write a batch of settlements; writing it in parts to isolate the one at fault"
                     );
                 }
-                if let Some(reply) = m.reply.take() {
-                    let _ = reply.send(if ok {
-                        Outcome::Applied
+                // A part of a split is tried once before it is split again: the batch it
+                // came from was already retried.
+                let mut left = part;
+                let right = left.split_off(left.len() / 2);
+                parts.push((right, 1));
+                parts.push((left, 1));
+            }
+            Err(e) => given_up(shared, part, &e),
+        }
+    }
+}
+
+/// Runs the SETTLE statement for one batch (or part of one), retrying what passes.
+async fn write_part(
+    shared: &Shared,
+    part: &[SettleMsg],
+    tries_allowed: u32,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Result<Settled> {
+    let mut tries: u32 = 0;
+    let mut tries_stopping: u32 = 0;
+    loop {
+        let e = match settle(shared, part).await {
+            Ok(settled) => {
+                if tries > 0 {
+                    tracing::info!(
+                        after_errors = tries,
+                        n = part.len(),
+                        "pgbus wrote the settlements"
+                    );
+                }
+                return Ok(settled);
+            }
+            Err(e) => e,
+        };
+        tries += 1;
+        if e.is_transient() {
+            if stop.is_cancelled() {
+                tries_stopping += 1;
+                if tries_stopping >= TRIES_WHILE_STOPPING {
+                    return Err(e);
+                }
+            }
+        } else if e.is_data_fault() || tries >= tries_allowed {
+            return Err(e);
+        }
+        if tries == 1 {
+            tracing::warn!(error = %e, n = part.len(), "pgbus could not write settlements; retrying");
+        } else {
+            tracing::debug!(error = %e, n = part.len(), tries, "pgbus could not write settlements again");
+        }
+        let delay = crate::listen::backoff_delay(tries);
+        if stop.is_cancelled() {
+            tokio::time::sleep(delay).await;
+        } else {
+            // Shutdown cuts the wait short: from then on, the tries are bounded.
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = stop.cancelled() => {}
+            }
+        }
+    }
+}
+
+/// The deliveries of these settlements are no longer held here: their leases are no
+/// longer extended.
+fn unhold(shared: &Shared, part: &[SettleMsg]) {
+    let mut held = shared.held.lock().expect("held lock");
+    for m in part {
+        let key = (m.subscription.clone(), m.seq);
+        if held.get(&key) == Some(&m.attempt) {
+            held.remove(&key);
+        }
+    }
+}
+
+/// Counts and answers settlements the database confirmed (applied, or rejected as stale).
+fn applied(shared: &Shared, part: Vec<SettleMsg>, settled: Settled) {
+    unhold(shared, &part);
+    let Settled {
+        rejected,
+        dead,
+        promoted,
+    } = settled;
+    let mut retry_scheduled = false;
+    for mut m in part {
+        let key = (m.subscription.clone(), m.seq);
+        let kind = action_kind(&m.action);
+        let ok = !rejected.contains(&(kind, key.clone()));
+        if ok {
+            match &m.action {
+                Action::Ack => {
+                    shared.stats.delivered.fetch_add(1, Ordering::Relaxed);
+                }
+                Action::Fail { error, .. } => {
+                    shared.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    if dead.contains(&key) {
+                        shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(
+                            messaging.destination.subscription.name = %m.subscription,
+                            pgbus.event_seq = m.seq,
+                            pgbus.attempt = m.attempt,
+                            error = %error,
+                            "pgbus delivery dead-lettered"
+                        );
                     } else {
-                        Outcome::Rejected
-                    });
+                        retry_scheduled = true;
+                    }
                 }
-                m.release_slot(shared);
-            }
-            if retry_scheduled || promoted {
-                // The claimer learns the next due retry from its next claim.
-                shared.wake.notify_one();
-            }
-        }
-        Err(reason) => {
-            tracing::error!(error = %reason, n = batch.len(), "pgbus gave up writing settlements; the leases will expire and the deliveries return");
-            shared.stats.settle_errors.fetch_add(1, Ordering::Relaxed);
-            for mut m in batch {
-                if let Some(reply) = m.reply.take() {
-                    let _ = reply.send(Outcome::Failed(reason.clone()));
+                Action::Release => {
+                    shared.stats.released.fetch_add(1, Ordering::Relaxed);
                 }
-                m.release_slot(shared);
             }
+        } else {
+            shared.stats.stale_rejected.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                messaging.destination.subscription.name = %m.subscription,
+                pgbus.event_seq = m.seq,
+                pgbus.attempt = m.attempt,
+                kind,
+                "pgbus rejected a stale settlement: the lease had been taken over"
+            );
         }
+        if let Some(reply) = m.reply.take() {
+            let _ = reply.send(if ok {
+                Outcome::Applied
+            } else {
+                Outcome::Rejected
+            });
+        }
+        m.release_slot(shared);
+    }
+    if retry_scheduled || promoted {
+        // The claimer learns the next due retry from its next claim.
+        shared.wake.notify_one();
+    }
+}
+
+/// Gives up settlements that could not be written: nothing is counted as done, the
+/// waiters get the error, and the leases will expire and the deliveries return.
+fn given_up(shared: &Shared, part: Vec<SettleMsg>, error: &Error) {
+    unhold(shared, &part);
+    shared.stats.settle_errors.fetch_add(1, Ordering::Relaxed);
+    match part.as_slice() {
+        [m] => tracing::error!(
+            messaging.destination.subscription.name = %m.subscription,
+            pgbus.event_seq = m.seq,
+            pgbus.attempt = m.attempt,
+            kind = action_kind(&m.action),
+            error = %error,
+            "pgbus gave up writing a settlement; the lease will expire and the delivery return"
+        ),
+        _ => tracing::error!(
+            error = %error,
+            n = part.len(),
+            "pgbus gave up writing settlements; the leases will expire and the deliveries return"
+        ),
+    }
+    let reason = error.to_string();
+    for mut m in part {
+        if let Some(reply) = m.reply.take() {
+            let _ = reply.send(Outcome::Failed(reason.clone()));
+        }
+        m.release_slot(shared);
     }
 }
 
@@ -515,7 +603,9 @@ async fn settle(shared: &Shared, batch: &[SettleMsg]) -> Result<Settled> {
                 fail.1.push(m.seq);
                 fail.2.push(m.attempt);
                 fail.3.push(error.as_str());
-                fail.4.push(delay.as_millis().min(i64::MAX as u128) as i64);
+                // Clamped already (Action::storable); kept in range here regardless.
+                fail.4
+                    .push(crate::retry::clamp_delay(*delay).as_millis() as i64);
                 fail.5.push(*permanent);
             }
             Action::Release => {

@@ -121,12 +121,95 @@ impl Error {
         }
     }
 
+    /// Whether the same statement may well succeed if it is simply tried again later:
+    /// the connection failed or the pool had none to give ([`Error::is_connection`]),
+    /// or PostgreSQL refused it for a reason that lies with the server and passes, not
+    /// with the data:
+    ///
+    /// - class 53, insufficient resources (`too_many_connections`, `out_of_memory`,
+    ///   `disk_full`, ...);
+    /// - `40001` serialization failure and `40P01` deadlock detected;
+    /// - `55P03` lock not available;
+    /// - `57014` query canceled: the statement ran past `statement_timeout` (a lock held
+    ///   elsewhere, an overloaded server) or was cancelled by an operator. The bus's own
+    ///   statements are small and quick, so a timeout says more about the server than
+    ///   about the statement;
+    /// - `25006` read-only transaction: connected to a standby, as during a failover.
+    ///
+    /// The bus retries these with backoff and never gives up on them while running
+    /// (nor drops a settlement because of them).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Timeout(_) => true,
+            _ if self.is_connection() => true,
+            _ => self.code().is_some_and(|c| transient_code(c.code())),
+        }
+    }
+
+    /// Whether PostgreSQL refused the statement because of a value in it (classes 22,
+    /// data exception, 23, integrity constraint violation, and 54, program limit
+    /// exceeded): retrying the same values cannot help, but the other rows of a batch
+    /// may be fine on their own.
+    pub(crate) fn is_data_fault(&self) -> bool {
+        self.code()
+            .is_some_and(|c| matches!(&c.code()[..2], "22" | "23" | "54"))
+    }
+
     pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
         Error::Invalid {
             what,
             reason: reason.into(),
         }
     }
+}
+
+/// Whether a SQLSTATE names a failure that passes (see [`Error::is_transient`]).
+pub(crate) fn transient_code(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("53")
+        || code.starts_with("57P")
+        || matches!(code, "40001" | "40P01" | "55P03" | "57014" | "25006")
+}
+
+/// The most bytes of an error text the bus stores: 8 KiB.
+///
+/// Every failure text pgbus writes (a handler's error, a panic message, a timeout, a
+/// dead-letter reason, the standard error of a `pgbus consume --exec` command) is made
+/// storable first: a NUL character, which PostgreSQL's `text` cannot hold, becomes
+/// U+FFFD (`\u{FFFD}`), and a longer text is cut at a character boundary and ends with
+/// `… (truncated)`, the whole at most this many bytes.
+pub const MAX_ERROR_TEXT: usize = 8 * 1024;
+
+/// What a text cut by [`storable_text`] ends with.
+const TRUNCATED: &str = "… (truncated)";
+
+/// Makes a failure text storable (see [`MAX_ERROR_TEXT`]): NUL becomes U+FFFD, and a
+/// text longer than the limit is cut on a character boundary and marked. Allocates only
+/// when it changes something.
+pub(crate) fn storable_text(mut text: String) -> String {
+    // Cut first, so that a huge text is never copied whole.
+    let mut cut = text.len() > MAX_ERROR_TEXT;
+    if cut {
+        text.truncate(char_floor(&text, MAX_ERROR_TEXT));
+    }
+    if text.contains('\0') {
+        text = text.replace('\0', "\u{FFFD}");
+        cut |= text.len() > MAX_ERROR_TEXT;
+    }
+    if cut {
+        text.truncate(char_floor(&text, MAX_ERROR_TEXT - TRUNCATED.len()));
+        text.push_str(TRUNCATED);
+    }
+    text
+}
+
+/// The largest character boundary of `s` at or below `at`.
+fn char_floor(s: &str, at: usize) -> usize {
+    let mut at = at.min(s.len());
+    while !s.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
 }
 
 /// What PostgreSQL said, with its SQLSTATE (tokio-postgres alone displays "db error").
@@ -173,6 +256,9 @@ impl From<deadpool_postgres::PoolError> for Error {
 /// By default the attempt is retried after the subscription's backoff. A handler can ask
 /// for a specific delay ([`HandlerError::retry_after`]) or give up at once
 /// ([`HandlerError::permanent`]), which dead-letters the delivery.
+///
+/// Any message is accepted; the text recorded in the delivery's history is made storable
+/// first (NUL replaced, at most [`MAX_ERROR_TEXT`] bytes).
 #[derive(Debug)]
 pub struct HandlerError {
     message: String,
@@ -191,10 +277,11 @@ impl HandlerError {
     }
 
     /// A failed attempt to retry after `delay` instead of the backoff (still counted
-    /// against the subscription's maximum attempts).
+    /// against the subscription's maximum attempts). A delay longer than
+    /// [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY) (365 days) is clamped to it.
     pub fn retry_after(message: impl fmt::Display, delay: Duration) -> Self {
         HandlerError {
-            retry_after: Some(delay),
+            retry_after: Some(crate::retry::clamp_delay(delay)),
             ..HandlerError::new(message)
         }
     }
@@ -212,7 +299,8 @@ impl HandlerError {
         &self.message
     }
 
-    /// The delay the handler asked for, if any.
+    /// The delay the handler asked for, if any (at most
+    /// [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY)).
     pub fn delay(&self) -> Option<Duration> {
         self.retry_after
     }
@@ -232,5 +320,95 @@ impl fmt::Display for HandlerError {
 impl<E: std::error::Error> From<E> for HandlerError {
     fn from(e: E) -> Self {
         HandlerError::new(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_storable_text_is_unchanged_when_it_can_be_stored() {
+        for text in [
+            "",
+            "connection refused",
+            "ünïcödé ✓",
+            &"x".repeat(MAX_ERROR_TEXT),
+        ] {
+            assert_eq!(storable_text(text.to_string()), text);
+        }
+    }
+
+    #[test]
+    fn nul_becomes_the_replacement_character() {
+        assert_eq!(storable_text("a\0b\0".into()), "a\u{FFFD}b\u{FFFD}");
+        assert_eq!(storable_text("\0".into()), "\u{FFFD}");
+    }
+
+    #[test]
+    fn a_long_text_is_cut_on_a_char_boundary_and_marked() {
+        let long = "é".repeat(MAX_ERROR_TEXT); // two bytes each
+        let stored = storable_text(long);
+        assert!(stored.len() <= MAX_ERROR_TEXT, "{}", stored.len());
+        assert!(stored.ends_with(TRUNCATED));
+        assert!(stored.trim_end_matches(TRUNCATED).chars().all(|c| c == 'é'));
+
+        let mb = format!("{}{}", "r".repeat(1 << 20), "\0");
+        let stored = storable_text(mb);
+        assert!(stored.len() <= MAX_ERROR_TEXT && stored.ends_with(TRUNCATED));
+        assert!(stored.starts_with("rrrr"));
+
+        // Every cut point near the limit, with multi-byte characters of every width.
+        for pad in 0..4 {
+            let text = format!(
+                "{}{}",
+                "a".repeat(MAX_ERROR_TEXT - 16 + pad),
+                "ß€😀".repeat(8)
+            );
+            let stored = storable_text(text);
+            assert!(stored.len() <= MAX_ERROR_TEXT);
+            assert!(stored.ends_with(TRUNCATED));
+        }
+    }
+
+    #[test]
+    fn replacing_nul_may_push_a_text_over_the_limit() {
+        // A NUL is one byte, U+FFFD three.
+        let text = "\0".repeat(MAX_ERROR_TEXT);
+        let stored = storable_text(text);
+        assert!(stored.len() <= MAX_ERROR_TEXT);
+        assert!(!stored.contains('\0'));
+        assert!(stored.ends_with(TRUNCATED));
+        // Exactly at the limit after replacement: kept whole.
+        let text = format!("{}\0", "a".repeat(MAX_ERROR_TEXT - 3));
+        let stored = storable_text(text);
+        assert_eq!(stored.len(), MAX_ERROR_TEXT);
+        assert!(stored.ends_with('\u{FFFD}'));
+    }
+
+    #[test]
+    fn transient_codes() {
+        for code in [
+            "08006", "08001", "53000", "53100", "53200", "53300", "53400", "57P01", "57P03",
+            "40001", "40P01", "55P03", "57014", "25006",
+        ] {
+            assert!(transient_code(code), "{code}");
+        }
+        for code in [
+            "22021", "22008", "22015", "23505", "23514", "54000", "42501", "42883", "XX000",
+            "40002", "55000",
+        ] {
+            assert!(!transient_code(code), "{code}");
+        }
+    }
+
+    #[test]
+    fn a_retry_after_is_clamped() {
+        let e = HandlerError::retry_after("later", Duration::MAX);
+        assert_eq!(e.delay(), Some(crate::MAX_RETRY_DELAY));
+        let e = HandlerError::retry_after("later", Duration::from_secs(10u64.pow(12)));
+        assert_eq!(e.delay(), Some(crate::MAX_RETRY_DELAY));
+        let e = HandlerError::retry_after("soon", Duration::from_millis(5));
+        assert_eq!(e.delay(), Some(Duration::from_millis(5)));
     }
 }

@@ -54,14 +54,15 @@ pub use bus::{
 };
 pub use claim::ClaimStream;
 pub use dispatch::{Handler, SubscriptionOptions};
-pub use error::{Error, HandlerError, Result};
+pub use error::{Error, HandlerError, MAX_ERROR_TEXT, Result};
 pub use event::{
     DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_JSON_DEPTH, MAX_NAME_BYTES, pattern_matches,
 };
 pub use ordering::DeadHeadPolicy;
 pub use publish::{Executor, Published, Publisher, publish, publish_batch};
 pub use retry::{
-    DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE, DEFAULT_RETRY_CAP, DEFAULT_RETRY_FACTOR, RetryPolicy,
+    DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE, DEFAULT_RETRY_CAP, DEFAULT_RETRY_FACTOR,
+    MAX_RETRY_DELAY, RetryPolicy,
 };
 pub use schema::migrate;
 pub use subscribe::{Delivery, Subscription};

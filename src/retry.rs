@@ -10,6 +10,20 @@ pub const DEFAULT_RETRY_FACTOR: f64 = 2.0;
 pub const DEFAULT_RETRY_CAP: Duration = Duration::from_secs(3600);
 /// Default maximum attempts (claims) of one delivery before it is dead-lettered: 25.
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 25;
+/// The longest delay before a retry: 365 days.
+///
+/// Every retry delay is clamped to it: a [`RetryPolicy`]'s cap and fixed delay,
+/// [`HandlerError::retry_after`](crate::HandlerError::retry_after) and
+/// [`Delivery::retry_in`](crate::Delivery::retry_in). A longer delay (up to
+/// `Duration::MAX`) is not an error; the retry is simply scheduled this far ahead. The
+/// bound keeps `now() + delay` inside PostgreSQL's `interval` and `timestamptz` ranges,
+/// so no delay can make the statement that records the failure fail.
+pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// `delay`, or [`MAX_RETRY_DELAY`] when it is longer.
+pub(crate) fn clamp_delay(delay: Duration) -> Duration {
+    delay.min(MAX_RETRY_DELAY)
+}
 
 /// How failed deliveries are retried.
 ///
@@ -17,7 +31,7 @@ pub const DEFAULT_MAX_ATTEMPTS: i32 = 25;
 /// `[0, min(cap, base * factor^(n-1))]` ("full jitter"), so a crowd of failures spreads
 /// out instead of retrying in lockstep. Attempts count claims: a delivery whose worker
 /// crashes counts an attempt too, so a poison event ends as a dead letter after
-/// `max_attempts` instead of looping forever.
+/// `max_attempts` instead of looping forever. No delay exceeds [`MAX_RETRY_DELAY`].
 ///
 /// ```
 /// use std::time::Duration;
@@ -61,8 +75,10 @@ impl RetryPolicy {
         }
     }
 
-    /// The same delay after every failure (no growth, no jitter).
+    /// The same delay after every failure (no growth, no jitter), at most
+    /// [`MAX_RETRY_DELAY`].
     pub fn fixed(delay: Duration) -> Self {
+        let delay = clamp_delay(delay);
         RetryPolicy {
             base: delay,
             factor: 1.0,
@@ -82,9 +98,10 @@ impl RetryPolicy {
         self
     }
 
-    /// Sets the longest delay (default 1 hour).
+    /// Sets the longest delay (default 1 hour; at most [`MAX_RETRY_DELAY`], to which a
+    /// longer cap is clamped).
     pub fn cap(mut self, cap: Duration) -> Self {
-        self.cap = cap;
+        self.cap = clamp_delay(cap);
         self
     }
 
@@ -114,7 +131,11 @@ impl RetryPolicy {
     /// The delay before the retry that follows failed attempt `attempt` (1-based).
     pub fn delay(&self, attempt: i32) -> Duration {
         let exp = (attempt.max(1) - 1).min(1000);
-        let ceiling = self.base.as_secs_f64() * self.factor.powi(exp);
+        let ceiling = if self.base.is_zero() {
+            0.0 // never 0 * inf
+        } else {
+            self.base.as_secs_f64() * self.factor.powi(exp)
+        };
         let ceiling = ceiling.min(self.cap.as_secs_f64()).max(0.0);
         let secs = if self.jitter {
             ceiling * fastrand::f64()
@@ -148,6 +169,37 @@ mod tests {
             assert!(p.delay(attempt) <= DEFAULT_RETRY_CAP);
         }
         assert!(p.delay(1) <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn delays_never_exceed_the_maximum() {
+        let p = RetryPolicy::exponential(Duration::MAX)
+            .cap(Duration::MAX)
+            .factor(f64::MAX)
+            .jitter(false);
+        assert_eq!(p.delay(1), MAX_RETRY_DELAY);
+        assert_eq!(p.delay(i32::MAX), MAX_RETRY_DELAY);
+        let p = RetryPolicy::fixed(Duration::MAX);
+        assert_eq!(p.delay(1), MAX_RETRY_DELAY);
+        assert_eq!(p.delay(7), MAX_RETRY_DELAY);
+        let p = RetryPolicy::fixed(Duration::from_secs(10u64.pow(12)));
+        assert_eq!(p.delay(3), MAX_RETRY_DELAY);
+        // Within the maximum, nothing changes.
+        let p = RetryPolicy::fixed(MAX_RETRY_DELAY - Duration::from_secs(1));
+        assert_eq!(p.delay(1), MAX_RETRY_DELAY - Duration::from_secs(1));
+        assert_eq!(clamp_delay(Duration::ZERO), Duration::ZERO);
+        let p = RetryPolicy::exponential(Duration::ZERO)
+            .factor(f64::MAX)
+            .jitter(false);
+        assert_eq!(p.delay(500), Duration::ZERO);
+        assert_eq!(clamp_delay(Duration::MAX), MAX_RETRY_DELAY);
+    }
+
+    #[test]
+    fn the_maximum_fits_in_a_postgres_interval_in_milliseconds() {
+        // The settle statement computes now() + delay_ms * interval '1 millisecond'.
+        let ms = MAX_RETRY_DELAY.as_millis();
+        assert!(ms.checked_mul(1000).is_some_and(|us| us < i64::MAX as u128));
     }
 
     #[test]

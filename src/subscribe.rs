@@ -29,6 +29,28 @@ pub(crate) enum Action {
     Release,
 }
 
+impl Action {
+    /// The action as it can be written: a failure's text made storable (NUL replaced,
+    /// bounded length: [`crate::error::storable_text`]) and its delay clamped to
+    /// [`crate::MAX_RETRY_DELAY`]. Every settlement passes through here on its way to the
+    /// acker, so no text or delay the application (or a panic, or a command) produced can
+    /// fail the batch it is written with.
+    pub(crate) fn storable(self) -> Action {
+        match self {
+            Action::Fail {
+                error,
+                delay,
+                permanent,
+            } => Action::Fail {
+                error: crate::error::storable_text(error),
+                delay: crate::retry::clamp_delay(delay),
+                permanent,
+            },
+            other => other,
+        }
+    }
+}
+
 /// How the acker answers.
 #[derive(Debug)]
 pub(crate) enum Outcome {
@@ -155,7 +177,8 @@ impl Delivery {
 
     /// Records a failed attempt and retries after the subscription's backoff (or the
     /// delay the error asks for); dead-letters it when the error is permanent or the
-    /// attempts are used up.
+    /// attempts are used up. The error's message is recorded made storable (NUL
+    /// replaced, at most [`MAX_ERROR_TEXT`](crate::MAX_ERROR_TEXT) bytes).
     ///
     /// # Errors
     ///
@@ -165,21 +188,29 @@ impl Delivery {
         self.settle(action).await
     }
 
-    /// Records a failed attempt and retries after `delay`.
+    /// Records a failed attempt and retries after `delay`. A delay longer than
+    /// [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY) (365 days) is clamped to it.
     ///
     /// # Errors
     ///
     /// As [`Delivery::ack`].
     pub async fn retry_in(mut self, delay: Duration) -> Result<()> {
+        let clamped = crate::retry::clamp_delay(delay);
+        let error = if clamped == delay {
+            format!("retry requested in {delay:?}")
+        } else {
+            format!("retry requested in {delay:?}, clamped to {clamped:?}")
+        };
         self.settle(Action::Fail {
-            error: format!("retry requested in {delay:?}"),
-            delay,
+            error,
+            delay: clamped,
             permanent: false,
         })
         .await
     }
 
-    /// Gives up: the delivery becomes a dead letter with `reason` in its history.
+    /// Gives up: the delivery becomes a dead letter with `reason` in its history (made
+    /// storable: NUL replaced, at most [`MAX_ERROR_TEXT`](crate::MAX_ERROR_TEXT) bytes).
     ///
     /// # Errors
     ///
@@ -229,7 +260,7 @@ impl Delivery {
             subscription: self.sub.name.clone(),
             seq: self.event.seq.unwrap_or_default(),
             attempt: self.attempt,
-            action,
+            action: action.storable(),
             reply,
             permit: self.permit.take(),
         };
