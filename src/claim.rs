@@ -8,14 +8,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
-use serde_json::Value;
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
 use tracing::Instrument;
 
 use crate::bus::Shared;
+use crate::decode::{self, col};
 use crate::error::Result;
-use crate::event::Event;
 use crate::sql;
 use crate::subscribe::{Action, Delivery, Outcome, SettleMsg};
 
@@ -40,6 +39,18 @@ struct Claimed {
     /// Per subscription: how many were claimed.
     per_sub: HashMap<Arc<str>, usize>,
     next_due: Option<Duration>,
+}
+
+/// The longest wait [`due_in`] returns: the claimer waits at most its poll interval anyway.
+const MAX_DUE: f64 = 86_400.0;
+
+/// The wait until the next due delivery, from the seconds PostgreSQL computed: any float
+/// (NaN, infinite, negative, huge) gives a usable duration or none.
+fn due_in(secs: f64) -> Option<Duration> {
+    if secs.is_nan() {
+        return None;
+    }
+    Some(Duration::from_secs_f64(secs.clamp(0.0, MAX_DUE)))
 }
 
 async fn claim(
@@ -78,41 +89,38 @@ async fn claim(
     let mut deliveries = Vec::with_capacity(rows.len());
     let mut per_sub: HashMap<Arc<str>, usize> = HashMap::new();
     for row in rows {
-        if let Some(secs) = row.try_get::<_, Option<f64>>(0)? {
-            next_due = Some(Duration::from_secs_f64(secs.max(0.0)));
+        // Every row of the claim is leased: from here on, nothing may fail the claim as
+        // a whole, or the other rows would wait for their leases to run out.
+        if let Ok(Some(secs)) = row.try_get::<_, Option<f64>>(col::NEXT_DUE) {
+            next_due = due_in(secs);
         }
-        let Some(subscription) = row.try_get::<_, Option<&str>>(1)? else {
-            continue;
+        let key = (
+            row.try_get::<_, Option<&str>>(col::SUBSCRIPTION),
+            row.try_get::<_, i64>(col::SEQ),
+            row.try_get::<_, i32>(col::ATTEMPTS),
+        );
+        let (subscription, seq, attempt) = match key {
+            (Ok(None), _, _) => continue, // nothing was claimed
+            (Ok(Some(sub)), Ok(seq), Ok(attempt)) => (sub, seq, attempt),
+            (sub, seq, attempt) => {
+                // Cannot happen (NOT NULL columns, and names this bus sent); the lease
+                // runs out and the reaper returns the delivery.
+                tracing::error!(
+                    ?sub,
+                    ?seq,
+                    ?attempt,
+                    "pgbus cannot read a claimed delivery's key"
+                );
+                continue;
+            }
         };
         let Some(sub) = shared.subs.get(subscription).cloned() else {
             continue; // not ours: cannot happen, the statement filters by our names
         };
-        let attempt: i32 = row.try_get(2)?;
-        let event = Event {
-            seq: Some(row.try_get(3)?),
-            id: row.try_get(4)?,
-            name: row.try_get(5)?,
-            version: row.try_get(6)?,
-            source: row.try_get(7)?,
-            aggregate_type: row.try_get(8)?,
-            aggregate_id: row.try_get(9)?,
-            correlation_id: row.try_get(10)?,
-            causation_id: row.try_get(11)?,
-            occurred_at: Some(row.try_get(12)?),
-            payload: Value::Null,
-            headers: Value::Null,
-            deliver_at: None,
-            delay: None,
-            created_at: Some(row.try_get(15)?),
-            ordering_key: row.try_get(16)?,
-        };
-        // A payload this library cannot decode (written by SQL past the validation in
+        // An event this library cannot decode (written by SQL past the validation in
         // Event::encode) must not fail the whole claim: that delivery alone is
         // dead-lettered with the reason, and the rest of the batch is handed out.
-        let decoded = row
-            .try_get::<_, Value>(13)
-            .and_then(|p| Ok((p, row.try_get::<_, Value>(14)?)));
-        let seq = event.seq.unwrap_or_default();
+        let decoded = decode::event(&row, seq);
         // The claimer is the only one that acquires, and asked for no more than were
         // free, so this cannot fail; were it to, the delivery simply holds no permit.
         let permit = shared.capacity.clone().try_acquire_owned().ok();
@@ -123,24 +131,26 @@ async fn claim(
             .expect("held lock")
             .insert((sub.name.clone(), seq), attempt);
         *per_sub.entry(sub.name.clone()).or_default() += 1;
-        let mut delivery = Delivery::new(event, attempt, sub, shared.clone(), permit);
         match decoded {
-            Ok((payload, headers)) => {
-                delivery.event.payload = payload;
-                delivery.event.headers = headers;
-                deliveries.push(delivery);
+            Ok(event) => {
+                deliveries.push(Delivery::new(event, attempt, sub, shared.clone(), permit));
             }
             Err(e) => {
+                let event = decode::placeholder(&row, seq);
                 tracing::error!(
+                    messaging.destination.subscription.name = %sub.name,
                     pgbus.event_seq = seq,
+                    messaging.message.id = %event.id,
                     error = %e,
                     "pgbus cannot decode an event; dead-lettering its delivery"
                 );
-                delivery.settle_nowait(Action::Fail {
-                    error: format!("the event cannot be decoded: {e}"),
-                    delay: Duration::ZERO,
-                    permanent: true,
-                });
+                Delivery::new(event, attempt, sub, shared.clone(), permit).settle_nowait(
+                    Action::Fail {
+                        error: format!("the event cannot be decoded: {e}"),
+                        delay: Duration::ZERO,
+                        permanent: true,
+                    },
+                );
             }
         }
     }
@@ -714,4 +724,21 @@ pub(crate) async fn consumer_remove(shared: &Shared) -> Result<()> {
         .execute(sql::CONSUMER_REMOVE, &[&shared.worker_id])
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_float_gives_a_usable_wait() {
+        assert_eq!(due_in(f64::NAN), None);
+        assert_eq!(due_in(-1.0), Some(Duration::ZERO));
+        assert_eq!(due_in(-0.0), Some(Duration::ZERO));
+        assert_eq!(due_in(f64::NEG_INFINITY), Some(Duration::ZERO));
+        assert_eq!(due_in(1.5), Some(Duration::from_millis(1500)));
+        assert_eq!(due_in(f64::INFINITY), Some(Duration::from_secs(86_400)));
+        assert_eq!(due_in(f64::MAX), Some(Duration::from_secs(86_400)));
+        assert_eq!(due_in(1e300), Some(Duration::from_secs(86_400)));
+    }
 }

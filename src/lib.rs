@@ -34,6 +34,7 @@ pub mod admin;
 pub mod bench;
 mod bus;
 mod claim;
+mod decode;
 mod dispatch;
 pub mod embedded;
 mod error;

@@ -19,6 +19,10 @@
 /// Always returns at least one row: column 0 is the seconds until the next delivery of
 /// these subscriptions becomes due (NULL if none is scheduled); the other columns are the
 /// claimed delivery (NULL when nothing was claimed).
+///
+/// A delivery whose `available_at` is `infinity` (written by SQL) is never due, and is not
+/// a next due time either: `infinity - now()` is an error before PostgreSQL 17, which would
+/// fail every claim of its subscription. One of `-infinity` is due at once, first.
 pub const CLAIM: &str = "\
 WITH subs AS (
   SELECT * FROM unnest($1::text[], $2::int4[]) AS s(name, quota)
@@ -57,7 +61,7 @@ next_due AS (
   FROM subs CROSS JOIN LATERAL (
     SELECT d.available_at FROM pgbus.deliveries AS d
     WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-      AND d.available_at > now()
+      AND d.available_at > now() AND d.available_at < 'infinity'
     ORDER BY d.available_at, d.event_seq
     LIMIT 1
   ) AS n
