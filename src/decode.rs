@@ -138,6 +138,10 @@ impl<'a> FromSql<'a> for Timestamp {
     }
 }
 
+/// The key serde_json (with `arbitrary_precision`) reads an object as a number by: an
+/// object whose first key it is comes back as a number, or fails to decode.
+pub(crate) const NUMBER_TOKEN: &str = "$serde_json::private::Number";
+
 /// A `jsonb` value.
 struct Jsonb {
     value: Value,
@@ -152,6 +156,15 @@ impl<'a> FromSql<'a> for Jsonb {
             }
             None => return Err("an empty jsonb value".into()),
         };
+        // In jsonb's text form every quote inside a string is escaped, so this sequence
+        // appears exactly where an object has a key ending in the token.
+        let key = format!("{NUMBER_TOKEN}\": ");
+        if memfind(text, key.as_bytes()) {
+            return Err(format!(
+                "an object has the key {NUMBER_TOKEN:?}, which serde_json reserves for numbers"
+            )
+            .into());
+        }
         let value = serde_json::from_slice(text)?;
         Ok(Jsonb { value })
     }
@@ -159,6 +172,10 @@ impl<'a> FromSql<'a> for Jsonb {
     fn accepts(ty: &Type) -> bool {
         *ty == Type::JSONB
     }
+}
+
+fn memfind(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 #[cfg(test)]
@@ -177,5 +194,18 @@ mod tests {
         assert_eq!(err(i64::MIN).unwrap(), "-infinity cannot be represented");
         assert!(err(i64::MAX - 1).unwrap().contains("beyond the range"));
         assert!(err(0).is_none());
+    }
+
+    #[test]
+    fn jsonb_refuses_objects_that_would_come_back_as_numbers() {
+        let raw = |text: &str| [&[1u8][..], text.as_bytes()].concat();
+        let ty = Type::JSONB;
+        let key = format!("{{\"{NUMBER_TOKEN}\": \"12\"}}");
+        assert!(Jsonb::from_sql(&ty, &raw(&key)).is_err());
+        // In a string it is harmless: its quote is escaped.
+        let string = format!("{{\"a\": \"\\\"{NUMBER_TOKEN}\\\": 1\"}}");
+        let ok = Jsonb::from_sql(&ty, &raw(&string)).unwrap();
+        assert!(ok.value.is_object());
+        assert!(Jsonb::from_sql(&ty, &[2, b'1']).is_err());
     }
 }
