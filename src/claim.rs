@@ -39,6 +39,40 @@ struct Claimed {
     /// Per subscription: how many were claimed.
     per_sub: HashMap<Arc<str>, usize>,
     next_due: Option<Duration>,
+    /// Whether the byte budget left due deliveries behind.
+    cut: bool,
+    /// Every delivery claimed (handed out or dead-lettered), with its attempt and the
+    /// bytes of JSON it holds.
+    sizes: Vec<(HeldKey, i32, usize)>,
+}
+
+type HeldKey = (Arc<str>, i64);
+
+/// The bytes of JSON held by the deliveries this stream claimed and that are not settled
+/// yet (still in `Shared::held` with the same attempt).
+#[derive(Debug, Default)]
+struct HeldBytes {
+    by_key: HashMap<HeldKey, (i32, usize)>,
+}
+
+impl HeldBytes {
+    /// Forgets settled deliveries; returns the bytes of the others.
+    fn current(&mut self, shared: &Shared) -> usize {
+        if self.by_key.is_empty() {
+            return 0;
+        }
+        let held = shared.held.lock().expect("held lock");
+        self.by_key
+            .retain(|key, (attempt, _)| held.get(key) == Some(attempt));
+        drop(held);
+        self.by_key.values().map(|(_, bytes)| bytes).sum()
+    }
+
+    fn add(&mut self, sizes: Vec<(HeldKey, i32, usize)>) {
+        for (key, attempt, bytes) in sizes {
+            self.by_key.insert(key, (attempt, bytes));
+        }
+    }
 }
 
 /// The longest wait [`due_in`] returns: the claimer waits at most its poll interval anyway.
@@ -57,6 +91,7 @@ async fn claim(
     shared: &Arc<Shared>,
     quotas: &[(Arc<str>, usize)],
     total: usize,
+    budget: usize,
 ) -> Result<Claimed> {
     let client = shared.pool.get().await?;
     let stmt = client
@@ -66,6 +101,7 @@ async fn claim(
     let limits: Vec<i32> = quotas.iter().map(|(_, q)| *q as i32).collect();
     let total = total as i32;
     let lease_ms = shared.opts.lease.as_millis() as i64;
+    let budget = i64::try_from(budget).unwrap_or(i64::MAX);
     let threshold = if shared.opts.poll_only {
         i32::MAX
     } else {
@@ -81,6 +117,7 @@ async fn claim(
                 &lease_ms,
                 &shared.worker_id,
                 &threshold,
+                &budget,
             ],
         )
         .await?;
@@ -88,12 +125,15 @@ async fn claim(
     let mut next_due = None;
     let mut deliveries = Vec::with_capacity(rows.len());
     let mut per_sub: HashMap<Arc<str>, usize> = HashMap::new();
+    let mut cut = false;
+    let mut sizes = Vec::with_capacity(rows.len());
     for row in rows {
         // Every row of the claim is leased: from here on, nothing may fail the claim as
         // a whole, or the other rows would wait for their leases to run out.
         if let Ok(Some(secs)) = row.try_get::<_, Option<f64>>(col::NEXT_DUE) {
             next_due = due_in(secs);
         }
+        cut |= row.try_get::<_, bool>(col::CUT).unwrap_or(false);
         let key = (
             row.try_get::<_, Option<&str>>(col::SUBSCRIPTION),
             row.try_get::<_, i64>(col::SEQ),
@@ -131,8 +171,10 @@ async fn claim(
             .expect("held lock")
             .insert((sub.name.clone(), seq), attempt);
         *per_sub.entry(sub.name.clone()).or_default() += 1;
+        let bytes = decoded.as_ref().map_or(0, |(_, bytes)| *bytes);
+        sizes.push(((sub.name.clone(), seq), attempt, bytes));
         match decoded {
-            Ok(event) => {
+            Ok((event, _)) => {
                 deliveries.push(Delivery::new(event, attempt, sub, shared.clone(), permit));
             }
             Err(e) => {
@@ -158,6 +200,8 @@ async fn claim(
         deliveries,
         per_sub,
         next_due,
+        cut,
+        sizes,
     })
 }
 
@@ -165,7 +209,7 @@ async fn claim(
 ///
 /// It claims while batches come back full, claims only as many deliveries as there are
 /// free slots (backpressure: in-flight deliveries never exceed the concurrency plus one
-/// batch), and otherwise waits for a notification, the next due retry or the fallback
+/// batch) and as fit in what is left of the byte budget, and otherwise waits for a notification, the next due retry or the fallback
 /// poll interval, whichever comes first. It ends when the bus shuts down.
 pub struct ClaimStream {
     inner: Pin<Box<dyn Stream<Item = Delivery> + Send>>,
@@ -194,6 +238,7 @@ impl ClaimStream {
             let mut recheck = RECHECKS.len();
             let mut errors: u32 = 0;
             let mut by_poll = false;
+            let mut held_bytes = HeldBytes::default();
             let subs: Vec<_> = shared.subs.values().cloned().collect();
             loop {
                 if shared.stopping.is_cancelled() {
@@ -205,8 +250,10 @@ impl ClaimStream {
                     .map(|s| (s.name.clone(), s.quota(free)))
                     .filter(|(_, q)| *q > 0)
                     .collect();
-                if free == 0 || quotas.is_empty() {
-                    // Every slot is taken: wait for a settlement.
+                let holding = held_bytes.current(&shared);
+                let budget = opts.claim_bytes.saturating_sub(holding);
+                if free == 0 || quotas.is_empty() || (holding > 0 && budget == 0) {
+                    // Every slot, or the byte budget, is taken: wait for a settlement.
                     tokio::select! {
                         _ = shared.stopping.cancelled() => break,
                         _ = shared.capacity_changed.notified() => continue,
@@ -219,7 +266,9 @@ impl ClaimStream {
                     messaging.batch.message_count = tracing::field::Empty,
                     pgbus.requested = free,
                 );
-                let claimed = claim(&shared, &quotas, free).instrument(span.clone()).await;
+                let claimed = claim(&shared, &quotas, free, budget)
+                    .instrument(span.clone())
+                    .await;
                 let claimed = match claimed {
                     Ok(c) => {
                         if errors > 0 {
@@ -244,6 +293,7 @@ impl ClaimStream {
                     }
                 };
                 let n = claimed.deliveries.len();
+                held_bytes.add(claimed.sizes);
                 span.record("messaging.batch.message_count", n);
                 shared.stats.claims.fetch_add(1, Ordering::Relaxed);
                 if n > 0 {
@@ -263,8 +313,8 @@ impl ClaimStream {
                 for d in claimed.deliveries {
                     yield d;
                 }
-                if n >= free {
-                    continue; // a full batch: there may be more
+                if n >= free || claimed.cut {
+                    continue; // a full batch, or cut by the byte budget: there may be more
                 }
                 let now = Instant::now();
                 let mut wait = opts.poll_interval;

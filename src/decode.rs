@@ -32,6 +32,7 @@ pub(crate) mod col {
     pub(crate) const HEADERS: usize = 14;
     pub(crate) const CREATED_AT: usize = 15;
     pub(crate) const ORDERING_KEY: usize = 16;
+    pub(crate) const CUT: usize = 17;
 }
 
 /// A column that could not be decoded, and why.
@@ -49,7 +50,8 @@ impl std::fmt::Display for Undecodable {
 }
 
 /// Decodes the event of one claimed row. `seq` was read already (the delivery's key).
-pub(crate) fn event(row: &Row, seq: i64) -> Result<Event, Undecodable> {
+/// Returns it with the bytes of JSON text its payload and headers arrived as.
+pub(crate) fn event(row: &Row, seq: i64) -> Result<(Event, usize), Undecodable> {
     let payload: Jsonb = get(row, col::PAYLOAD, "payload")?;
     let headers: Jsonb = get(row, col::HEADERS, "headers")?;
     if !headers.value.is_object() {
@@ -63,7 +65,8 @@ pub(crate) fn event(row: &Row, seq: i64) -> Result<Event, Undecodable> {
     }
     let occurred_at: Timestamp = get(row, col::OCCURRED_AT, "occurred_at")?;
     let created_at: Timestamp = get(row, col::CREATED_AT, "created_at")?;
-    Ok(Event {
+    let bytes = payload.bytes + headers.bytes;
+    let event = Event {
         seq: Some(seq),
         id: get(row, col::ID, "id")?,
         name: get(row, col::EVENT_NAME, "event_name")?,
@@ -80,7 +83,8 @@ pub(crate) fn event(row: &Row, seq: i64) -> Result<Event, Undecodable> {
         delay: None,
         created_at: Some(created_at.0),
         ordering_key: get(row, col::ORDERING_KEY, "ordering_key")?,
-    })
+    };
+    Ok((event, bytes))
 }
 
 /// What can be known of an event that could not be decoded: its seq, and its id when
@@ -142,9 +146,10 @@ impl<'a> FromSql<'a> for Timestamp {
 /// object whose first key it is comes back as a number, or fails to decode.
 pub(crate) const NUMBER_TOKEN: &str = "$serde_json::private::Number";
 
-/// A `jsonb` value.
+/// A `jsonb` value, and how many bytes of JSON text it arrived as.
 struct Jsonb {
     value: Value,
+    bytes: usize,
 }
 
 impl<'a> FromSql<'a> for Jsonb {
@@ -166,7 +171,10 @@ impl<'a> FromSql<'a> for Jsonb {
             .into());
         }
         let value = serde_json::from_slice(text)?;
-        Ok(Jsonb { value })
+        Ok(Jsonb {
+            value,
+            bytes: text.len(),
+        })
     }
 
     fn accepts(ty: &Type) -> bool {
@@ -206,6 +214,7 @@ mod tests {
         let string = format!("{{\"a\": \"\\\"{NUMBER_TOKEN}\\\": 1\"}}");
         let ok = Jsonb::from_sql(&ty, &raw(&string)).unwrap();
         assert!(ok.value.is_object());
+        assert_eq!(ok.bytes, string.len());
         assert!(Jsonb::from_sql(&ty, &[2, b'1']).is_err());
     }
 }
