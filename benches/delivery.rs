@@ -83,6 +83,7 @@ fn claim(c: &mut Criterion) {
                                     &60_000i64,
                                     &"bench-worker",
                                     &i32::MAX,
+                                    &(pgbus::DEFAULT_CLAIM_BYTES as i64),
                                 ],
                             )
                             .await

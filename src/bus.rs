@@ -45,6 +45,9 @@ pub const DEFAULT_POOL_SIZE: usize = 4;
 pub const DEFAULT_SYNCHRONOUS_COMMIT: bool = false;
 /// Default `statement_timeout` of the bus's own statements: 30 s.
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default byte budget of claimed, unsettled deliveries: 16 MiB (see
+/// [`BusBuilder::claim_bytes`]).
+pub const DEFAULT_CLAIM_BYTES: usize = 16 * 1024 * 1024;
 
 /// Default retention of the log: 7 days (see [`BusBuilder::retention`]).
 pub const DEFAULT_RETENTION: Duration = crate::admin::DEFAULT_RETENTION;
@@ -77,6 +80,7 @@ pub(crate) struct Options {
     /// Whether `retry` was set on the builder (its maximum attempts then count as asked).
     pub(crate) retry_set: bool,
     pub(crate) reconfigure: bool,
+    pub(crate) claim_bytes: usize,
 }
 
 /// Counters of a running bus, read with [`RunningBus::stats`].
@@ -276,6 +280,7 @@ impl Bus {
                 retention: Some(DEFAULT_RETENTION),
                 retry_set: false,
                 reconfigure: false,
+                claim_bytes: DEFAULT_CLAIM_BYTES,
             },
             handlers: Vec::new(),
         }
@@ -636,6 +641,18 @@ impl BusBuilder {
     /// `None` or zero: this bus never sweeps.
     pub fn retention(mut self, retention: Option<Duration>) -> Self {
         self.opts.retention = retention.filter(|r| !r.is_zero());
+        self
+    }
+
+    /// Sets the byte budget of claimed, unsettled deliveries (default
+    /// [`DEFAULT_CLAIM_BYTES`], 16 MiB), so that memory is bounded by bytes as well as by
+    /// count. A claim leases, oldest first, only the deliveries whose payloads and headers
+    /// fit in what is left of the budget (by their stored size in PostgreSQL), and no
+    /// claim is made while the JSON held by unsettled deliveries fills it. A delivery
+    /// larger than the budget still flows, alone; so the JSON held stays within the budget
+    /// plus one claim. 0 claims one delivery at a time.
+    pub fn claim_bytes(mut self, bytes: usize) -> Self {
+        self.opts.claim_bytes = bytes;
         self
     }
 

@@ -8,14 +8,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
-use serde_json::Value;
 use tokio::time::Instant;
 use tokio_postgres::types::Type;
 use tracing::Instrument;
 
 use crate::bus::Shared;
+use crate::decode::{self, col};
 use crate::error::{Error, Result};
-use crate::event::Event;
 use crate::sql;
 use crate::subscribe::{Action, Delivery, Outcome, SettleMsg};
 
@@ -40,12 +39,59 @@ struct Claimed {
     /// Per subscription: how many were claimed.
     per_sub: HashMap<Arc<str>, usize>,
     next_due: Option<Duration>,
+    /// Whether the byte budget left due deliveries behind.
+    cut: bool,
+    /// Every delivery claimed (handed out or dead-lettered), with its attempt and the
+    /// bytes of JSON it holds.
+    sizes: Vec<(HeldKey, i32, usize)>,
+}
+
+type HeldKey = (Arc<str>, i64);
+
+/// The bytes of JSON held by the deliveries this stream claimed and that are not settled
+/// yet (still in `Shared::held` with the same attempt).
+#[derive(Debug, Default)]
+struct HeldBytes {
+    by_key: HashMap<HeldKey, (i32, usize)>,
+}
+
+impl HeldBytes {
+    /// Forgets settled deliveries; returns the bytes of the others.
+    fn current(&mut self, shared: &Shared) -> usize {
+        if self.by_key.is_empty() {
+            return 0;
+        }
+        let held = shared.held.lock().expect("held lock");
+        self.by_key
+            .retain(|key, (attempt, _)| held.get(key) == Some(attempt));
+        drop(held);
+        self.by_key.values().map(|(_, bytes)| bytes).sum()
+    }
+
+    fn add(&mut self, sizes: Vec<(HeldKey, i32, usize)>) {
+        for (key, attempt, bytes) in sizes {
+            self.by_key.insert(key, (attempt, bytes));
+        }
+    }
+}
+
+/// The longest wait [`due_in`] returns: the claimer waits at most its poll interval anyway.
+const MAX_DUE: f64 = 86_400.0;
+
+/// The wait until the next due delivery, from the seconds PostgreSQL computed: any float
+/// (NaN, infinite, negative, huge) gives a usable duration or none.
+fn due_in(secs: f64) -> Option<Duration> {
+    if secs.is_nan() {
+        return None;
+    }
+    Some(Duration::from_secs_f64(secs.clamp(0.0, MAX_DUE)))
 }
 
 async fn claim(
     shared: &Arc<Shared>,
     quotas: &[(Arc<str>, usize)],
     total: usize,
+    budget: usize,
 ) -> Result<Claimed> {
     let client = shared.pool.get().await?;
     let stmt = client
@@ -55,6 +101,7 @@ async fn claim(
     let limits: Vec<i32> = quotas.iter().map(|(_, q)| *q as i32).collect();
     let total = total as i32;
     let lease_ms = shared.opts.lease.as_millis() as i64;
+    let budget = i64::try_from(budget).unwrap_or(i64::MAX);
     let threshold = if shared.opts.poll_only {
         i32::MAX
     } else {
@@ -70,6 +117,7 @@ async fn claim(
                 &lease_ms,
                 &shared.worker_id,
                 &threshold,
+                &budget,
             ],
         )
         .await?;
@@ -77,42 +125,42 @@ async fn claim(
     let mut next_due = None;
     let mut deliveries = Vec::with_capacity(rows.len());
     let mut per_sub: HashMap<Arc<str>, usize> = HashMap::new();
+    let mut cut = false;
+    let mut sizes = Vec::with_capacity(rows.len());
     for row in rows {
-        if let Some(secs) = row.try_get::<_, Option<f64>>(0)? {
-            next_due = Some(Duration::from_secs_f64(secs.max(0.0)));
+        // Every row of the claim is leased: from here on, nothing may fail the claim as
+        // a whole, or the other rows would wait for their leases to run out.
+        if let Ok(Some(secs)) = row.try_get::<_, Option<f64>>(col::NEXT_DUE) {
+            next_due = due_in(secs);
         }
-        let Some(subscription) = row.try_get::<_, Option<&str>>(1)? else {
-            continue;
+        cut |= row.try_get::<_, bool>(col::CUT).unwrap_or(false);
+        let key = (
+            row.try_get::<_, Option<&str>>(col::SUBSCRIPTION),
+            row.try_get::<_, i64>(col::SEQ),
+            row.try_get::<_, i32>(col::ATTEMPTS),
+        );
+        let (subscription, seq, attempt) = match key {
+            (Ok(None), _, _) => continue, // nothing was claimed
+            (Ok(Some(sub)), Ok(seq), Ok(attempt)) => (sub, seq, attempt),
+            (sub, seq, attempt) => {
+                // Cannot happen (NOT NULL columns, and names this bus sent); the lease
+                // runs out and the reaper returns the delivery.
+                tracing::error!(
+                    ?sub,
+                    ?seq,
+                    ?attempt,
+                    "pgbus cannot read a claimed delivery's key"
+                );
+                continue;
+            }
         };
         let Some(sub) = shared.subs.get(subscription).cloned() else {
             continue; // not ours: cannot happen, the statement filters by our names
         };
-        let attempt: i32 = row.try_get(2)?;
-        let event = Event {
-            seq: Some(row.try_get(3)?),
-            id: row.try_get(4)?,
-            name: row.try_get(5)?,
-            version: row.try_get(6)?,
-            source: row.try_get(7)?,
-            aggregate_type: row.try_get(8)?,
-            aggregate_id: row.try_get(9)?,
-            correlation_id: row.try_get(10)?,
-            causation_id: row.try_get(11)?,
-            occurred_at: Some(row.try_get(12)?),
-            payload: Value::Null,
-            headers: Value::Null,
-            deliver_at: None,
-            delay: None,
-            created_at: Some(row.try_get(15)?),
-            ordering_key: row.try_get(16)?,
-        };
-        // A payload this library cannot decode (written by SQL past the validation in
+        // An event this library cannot decode (written by SQL past the validation in
         // Event::encode) must not fail the whole claim: that delivery alone is
         // dead-lettered with the reason, and the rest of the batch is handed out.
-        let decoded = row
-            .try_get::<_, Value>(13)
-            .and_then(|p| Ok((p, row.try_get::<_, Value>(14)?)));
-        let seq = event.seq.unwrap_or_default();
+        let decoded = decode::event(&row, seq);
         // The claimer is the only one that acquires, and asked for no more than were
         // free, so this cannot fail; were it to, the delivery simply holds no permit.
         let permit = shared.capacity.clone().try_acquire_owned().ok();
@@ -123,24 +171,28 @@ async fn claim(
             .expect("held lock")
             .insert((sub.name.clone(), seq), attempt);
         *per_sub.entry(sub.name.clone()).or_default() += 1;
-        let mut delivery = Delivery::new(event, attempt, sub, shared.clone(), permit);
+        let bytes = decoded.as_ref().map_or(0, |(_, bytes)| *bytes);
+        sizes.push(((sub.name.clone(), seq), attempt, bytes));
         match decoded {
-            Ok((payload, headers)) => {
-                delivery.event.payload = payload;
-                delivery.event.headers = headers;
-                deliveries.push(delivery);
+            Ok((event, _)) => {
+                deliveries.push(Delivery::new(event, attempt, sub, shared.clone(), permit));
             }
             Err(e) => {
+                let event = decode::placeholder(&row, seq);
                 tracing::error!(
+                    messaging.destination.subscription.name = %sub.name,
                     pgbus.event_seq = seq,
+                    messaging.message.id = %event.id,
                     error = %e,
                     "pgbus cannot decode an event; dead-lettering its delivery"
                 );
-                delivery.settle_nowait(Action::Fail {
-                    error: format!("the event cannot be decoded: {e}"),
-                    delay: Duration::ZERO,
-                    permanent: true,
-                });
+                Delivery::new(event, attempt, sub, shared.clone(), permit).settle_nowait(
+                    Action::Fail {
+                        error: format!("the event cannot be decoded: {e}"),
+                        delay: Duration::ZERO,
+                        permanent: true,
+                    },
+                );
             }
         }
     }
@@ -148,6 +200,8 @@ async fn claim(
         deliveries,
         per_sub,
         next_due,
+        cut,
+        sizes,
     })
 }
 
@@ -155,7 +209,7 @@ async fn claim(
 ///
 /// It claims while batches come back full, claims only as many deliveries as there are
 /// free slots (backpressure: in-flight deliveries never exceed the concurrency plus one
-/// batch), and otherwise waits for a notification, the next due retry or the fallback
+/// batch) and as fit in what is left of the byte budget, and otherwise waits for a notification, the next due retry or the fallback
 /// poll interval, whichever comes first. It ends when the bus shuts down.
 pub struct ClaimStream {
     inner: Pin<Box<dyn Stream<Item = Delivery> + Send>>,
@@ -184,6 +238,7 @@ impl ClaimStream {
             let mut recheck = RECHECKS.len();
             let mut errors: u32 = 0;
             let mut by_poll = false;
+            let mut held_bytes = HeldBytes::default();
             let subs: Vec<_> = shared.subs.values().cloned().collect();
             loop {
                 if shared.stopping.is_cancelled() {
@@ -195,8 +250,10 @@ impl ClaimStream {
                     .map(|s| (s.name.clone(), s.quota(free)))
                     .filter(|(_, q)| *q > 0)
                     .collect();
-                if free == 0 || quotas.is_empty() {
-                    // Every slot is taken: wait for a settlement.
+                let holding = held_bytes.current(&shared);
+                let budget = opts.claim_bytes.saturating_sub(holding);
+                if free == 0 || quotas.is_empty() || (holding > 0 && budget == 0) {
+                    // Every slot, or the byte budget, is taken: wait for a settlement.
                     tokio::select! {
                         _ = shared.stopping.cancelled() => break,
                         _ = shared.capacity_changed.notified() => continue,
@@ -209,7 +266,9 @@ impl ClaimStream {
                     messaging.batch.message_count = tracing::field::Empty,
                     pgbus.requested = free,
                 );
-                let claimed = claim(&shared, &quotas, free).instrument(span.clone()).await;
+                let claimed = claim(&shared, &quotas, free, budget)
+                    .instrument(span.clone())
+                    .await;
                 let claimed = match claimed {
                     Ok(c) => {
                         if errors > 0 {
@@ -234,6 +293,7 @@ impl ClaimStream {
                     }
                 };
                 let n = claimed.deliveries.len();
+                held_bytes.add(claimed.sizes);
                 span.record("messaging.batch.message_count", n);
                 shared.stats.claims.fetch_add(1, Ordering::Relaxed);
                 if n > 0 {
@@ -253,8 +313,8 @@ impl ClaimStream {
                 for d in claimed.deliveries {
                     yield d;
                 }
-                if n >= free {
-                    continue; // a full batch: there may be more
+                if n >= free || claimed.cut {
+                    continue; // a full batch, or cut by the byte budget: there may be more
                 }
                 let now = Instant::now();
                 let mut wait = opts.poll_interval;
@@ -804,4 +864,21 @@ pub(crate) async fn consumer_remove(shared: &Shared) -> Result<()> {
         .execute(sql::CONSUMER_REMOVE, &[&shared.worker_id])
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_float_gives_a_usable_wait() {
+        assert_eq!(due_in(f64::NAN), None);
+        assert_eq!(due_in(-1.0), Some(Duration::ZERO));
+        assert_eq!(due_in(-0.0), Some(Duration::ZERO));
+        assert_eq!(due_in(f64::NEG_INFINITY), Some(Duration::ZERO));
+        assert_eq!(due_in(1.5), Some(Duration::from_millis(1500)));
+        assert_eq!(due_in(f64::INFINITY), Some(Duration::from_secs(86_400)));
+        assert_eq!(due_in(f64::MAX), Some(Duration::from_secs(86_400)));
+        assert_eq!(due_in(1e300), Some(Duration::from_secs(86_400)));
+    }
 }

@@ -63,6 +63,15 @@ pub struct Event {
     /// When it happened; `None` means the publishing transaction's `now()`.
     pub occurred_at: Option<DateTime<Utc>>,
     /// The payload.
+    ///
+    /// Numbers are exact: pgbus builds serde_json with `arbitrary_precision`, so a number
+    /// is kept as its decimal text (`18446744073709551617`, `0.1000000000000000000001`)
+    /// and a handler receives what `jsonb` holds, never a value rounded through `f64`.
+    /// jsonb itself writes numbers in its own canonical form (`1e3` comes back as `1000`).
+    /// Read them with `as_u64`/`as_i64`/`as_f64` (lossy where they do not fit), or as
+    /// text with `Number::as_str`. The feature is on for every crate of the build that uses
+    /// serde_json; an object whose key ends in `"$serde_json::private::Number"` is
+    /// refused, since serde_json would read it back as a number.
     pub payload: Value,
     /// Headers: a JSON object of metadata (tracing context, tenant, ...).
     pub headers: Value,
@@ -236,6 +245,8 @@ impl Event {
         }
         check_no_nul("payload", &self.payload)?;
         check_no_nul("headers", &self.headers)?;
+        check_no_number_token("payload", &self.payload)?;
+        check_no_number_token("headers", &self.headers)?;
         for (what, value) in [("payload", &self.payload), ("headers", &self.headers)] {
             if too_deep(value, MAX_JSON_DEPTH) {
                 return Err(Error::invalid(
@@ -338,13 +349,49 @@ pub fn pattern_matches(pattern: &str, event_name: &str) -> bool {
 
 /// PostgreSQL's jsonb cannot store `\u0000`; find it first and name where it is.
 fn check_no_nul(what: &'static str, value: &Value) -> Result<()> {
-    fn walk(value: &Value, path: &mut String) -> Option<String> {
+    match locate(value, &|s| s.contains('\0'), &|k| k.contains('\0')) {
+        Some(at) => Err(Error::invalid(
+            what,
+            format!("contains \\u0000 at {at}, which PostgreSQL's jsonb cannot store"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// An object with serde_json's number key would be read back as a number (or not at
+/// all): refuse it, as jsonb refuses `\u0000`.
+fn check_no_number_token(what: &'static str, value: &Value) -> Result<()> {
+    let token = crate::decode::NUMBER_TOKEN;
+    match locate(value, &|_| false, &|k| k.ends_with(token)) {
+        Some(at) => Err(Error::invalid(
+            what,
+            format!(
+                "has a key ending in {token:?} at {at}, which serde_json reserves for \
+                 numbers: the object would not be delivered as it was published"
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The path of the first string matching `string` or object key matching `key`.
+fn locate(
+    value: &Value,
+    string: &dyn Fn(&str) -> bool,
+    key: &dyn Fn(&str) -> bool,
+) -> Option<String> {
+    fn walk(
+        value: &Value,
+        path: &mut String,
+        string: &dyn Fn(&str) -> bool,
+        key: &dyn Fn(&str) -> bool,
+    ) -> Option<String> {
         match value {
-            Value::String(s) if s.contains('\0') => Some(path.clone()),
+            Value::String(s) if string(s) => Some(path.clone()),
             Value::Array(items) => items.iter().enumerate().find_map(|(i, v)| {
                 let len = path.len();
                 let _ = write!(path, "[{i}]");
-                let found = walk(v, path);
+                let found = walk(v, path, string, key);
                 path.truncate(len);
                 found
             }),
@@ -355,10 +402,10 @@ fn check_no_nul(what: &'static str, value: &Value) -> Result<()> {
                 } else {
                     let _ = write!(path, "[{}]", Value::String(k.clone()));
                 }
-                let found = if k.contains('\0') {
+                let found = if key(k) {
                     Some(format!("{path} (in the key)"))
                 } else {
-                    walk(v, path)
+                    walk(v, path, string, key)
                 };
                 path.truncate(len);
                 found
@@ -367,13 +414,7 @@ fn check_no_nul(what: &'static str, value: &Value) -> Result<()> {
         }
     }
     let mut path = String::from("$");
-    match walk(value, &mut path) {
-        Some(at) => Err(Error::invalid(
-            what,
-            format!("contains \\u0000 at {at}, which PostgreSQL's jsonb cannot store"),
-        )),
-        None => Ok(()),
-    }
+    walk(value, &mut path, string, key)
 }
 
 /// Whether `value` nests containers deeper than `levels`.
@@ -389,7 +430,7 @@ fn is_plain_key(k: &str) -> bool {
     !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
-fn json_type_name(v: &Value) -> &'static str {
+pub(crate) fn json_type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -413,6 +454,26 @@ mod tests {
             err.to_string(),
             "invalid payload: contains \\u0000 at $.x[1][\"y z\"], which PostgreSQL's jsonb cannot store"
         );
+    }
+
+    #[test]
+    fn serde_jsons_number_key_is_refused() {
+        let key = crate::decode::NUMBER_TOKEN;
+        let e = Event::new("a.b", json!({"x": [{ key: "12" }]}));
+        let err = e.encode(DEFAULT_MAX_PAYLOAD_BYTES).unwrap_err();
+        assert!(err.to_string().contains("at $.x[0]"), "{err}");
+        let e = Event::new("a.b", json!({})).header(format!("x{key}"), 1);
+        assert!(e.encode(DEFAULT_MAX_PAYLOAD_BYTES).is_err());
+        // As a string it is harmless.
+        let e = Event::new("a.b", json!({ "x": key }));
+        assert!(e.encode(DEFAULT_MAX_PAYLOAD_BYTES).is_ok());
+    }
+
+    #[test]
+    fn numbers_are_encoded_exactly() {
+        let text = r#"{"big":18446744073709551617,"dec":12345678.123456789012,"tiny":1e-400}"#;
+        let e = Event::new("a.b", serde_json::from_str(text).unwrap());
+        assert_eq!(e.encode(DEFAULT_MAX_PAYLOAD_BYTES).unwrap().payload, text);
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub mod admin;
 pub mod bench;
 mod bus;
 mod claim;
+mod decode;
 mod dispatch;
 pub mod embedded;
 mod error;
@@ -47,10 +48,10 @@ pub mod sql;
 mod subscribe;
 
 pub use bus::{
-    Bus, BusBuilder, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_HANDLER_TIMEOUT,
-    DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, DEFAULT_POOL_SIZE, DEFAULT_RETENTION,
-    DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_SYNCHRONOUS_COMMIT, RunningBus,
-    Stats,
+    Bus, BusBuilder, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_BYTES, DEFAULT_CONCURRENCY,
+    DEFAULT_HANDLER_TIMEOUT, DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, DEFAULT_POOL_SIZE,
+    DEFAULT_RETENTION, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT,
+    DEFAULT_SYNCHRONOUS_COMMIT, RunningBus, Stats,
 };
 pub use claim::ClaimStream;
 pub use dispatch::{Handler, SubscriptionOptions};

@@ -8,7 +8,8 @@
 ///
 /// Parameters: `$1 text[]` subscription names, `$2 int4[]` how many each may take now,
 /// `$3 int4` how many in all, `$4 int8` lease in milliseconds, `$5 text` worker id,
-/// `$6 int4` the batch size from which the worker marks itself awake (cost-aware notify).
+/// `$6 int4` the batch size from which the worker marks itself awake (cost-aware notify),
+/// `$7 int8` the byte budget of the claim.
 ///
 /// One index range scan per subscription (`deliveries_claim_idx`) picks the oldest due
 /// pending rows with `FOR UPDATE SKIP LOCKED`, so the cost is O(batch) whatever the
@@ -16,9 +17,20 @@
 /// Only heads are claimable: every delivery of an unordered subscription, and the oldest
 /// unfinished delivery of each key of an ordered one.
 ///
+/// The byte budget: of the rows picked, oldest first, only those whose running sum of
+/// `pg_column_size(payload) + pg_column_size(headers)` stays within `$7` are leased, and
+/// always the first, so that an event larger than the budget still flows, alone. The
+/// sizes are the stored ones (compressed, read from the TOAST pointer without detoasting),
+/// looked up by primary key once per picked row. Rows picked but not kept stay pending.
+///
 /// Always returns at least one row: column 0 is the seconds until the next delivery of
-/// these subscriptions becomes due (NULL if none is scheduled); the other columns are the
-/// claimed delivery (NULL when nothing was claimed).
+/// these subscriptions becomes due (NULL if none is scheduled); the last column says
+/// whether the budget left due deliveries behind (claim again at once); the others are
+/// the claimed delivery (NULL when nothing was claimed).
+///
+/// A delivery whose `available_at` is `infinity` (written by SQL) is never due, and is not
+/// a next due time either: `infinity - now()` is an error before PostgreSQL 17, which would
+/// fail every claim of its subscription. One of `-infinity` is due at once, first.
 pub const CLAIM: &str = "\
 WITH subs AS (
   SELECT * FROM unnest($1::text[], $2::int4[]) AS s(name, quota)
@@ -37,14 +49,26 @@ picked AS (
   ORDER BY p.available_at, p.event_seq
   LIMIT $3
 ),
+sized AS (
+  SELECT p.subscription, p.event_seq,
+         row_number() OVER w AS n,
+         sum(coalesce((SELECT pg_column_size(e.payload)::int8 + pg_column_size(e.headers)
+                       FROM pgbus.events AS e WHERE e.seq = p.event_seq), 0)) OVER w AS bytes
+  FROM picked AS p
+  WINDOW w AS (ORDER BY p.available_at, p.event_seq, p.subscription
+               ROWS UNBOUNDED PRECEDING)
+),
+kept AS (
+  SELECT subscription, event_seq FROM sized WHERE n = 1 OR bytes <= $7::int8
+),
 claimed AS (
   UPDATE pgbus.deliveries AS d
   SET status = 'processing',
       attempts = d.attempts + 1,
       locked_until = now() + $4 * interval '1 millisecond',
       locked_by = $5
-  FROM picked
-  WHERE d.subscription = picked.subscription AND d.event_seq = picked.event_seq
+  FROM kept
+  WHERE d.subscription = kept.subscription AND d.event_seq = kept.event_seq
   RETURNING d.subscription, d.event_seq, d.attempts
 ),
 awake AS (
@@ -57,7 +81,7 @@ next_due AS (
   FROM subs CROSS JOIN LATERAL (
     SELECT d.available_at FROM pgbus.deliveries AS d
     WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-      AND d.available_at > now()
+      AND d.available_at > now() AND d.available_at < 'infinity'
     ORDER BY d.available_at, d.event_seq
     LIMIT 1
   ) AS n
@@ -65,19 +89,21 @@ next_due AS (
 SELECT next_due.secs, c.subscription, c.attempts,
        e.seq, e.id, e.event_name, e.event_version, e.source, e.aggregate_type,
        e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
-       e.headers, e.created_at, e.ordering_key
+       e.headers, e.created_at, e.ordering_key,
+       (SELECT count(*) FROM sized) > (SELECT count(*) FROM kept) AS cut
 FROM next_due
 LEFT JOIN (claimed AS c JOIN pgbus.events AS e ON e.seq = c.event_seq) ON true
 ORDER BY e.seq";
 
 /// The parameter types of [`CLAIM`], for preparing it.
-pub const CLAIM_TYPES: [tokio_postgres::types::Type; 6] = [
+pub const CLAIM_TYPES: [tokio_postgres::types::Type; 7] = [
     tokio_postgres::types::Type::TEXT_ARRAY,
     tokio_postgres::types::Type::INT4_ARRAY,
     tokio_postgres::types::Type::INT4,
     tokio_postgres::types::Type::INT8,
     tokio_postgres::types::Type::TEXT,
     tokio_postgres::types::Type::INT4,
+    tokio_postgres::types::Type::INT8,
 ];
 
 /// Settles many deliveries in one statement: completions, failures and releases.

@@ -827,7 +827,15 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
         let rows = client
             .query(
                 &format!("EXPLAIN (FORMAT JSON) {}", pgbus::sql::CLAIM),
-                &[&names, &quotas, &100_i64, &60_000_f64, &"w", &4_i64],
+                &[
+                    &names,
+                    &quotas,
+                    &100_i64,
+                    &60_000_f64,
+                    &"w",
+                    &4_i64,
+                    &i64::MAX,
+                ],
             )
             .await
             .unwrap();
