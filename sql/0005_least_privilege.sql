@@ -56,7 +56,35 @@ BEGIN
 END
 $$;
 
-ALTER FUNCTION pgbus.notify_at_commit() SET search_path = pg_catalog, pgbus, pg_temp;
+-- The awake check, ordered with the consumers' sleep marks through the wake lock ("pgbus_wk").
+-- A publisher takes it shared just before reading the consumers and holds it to the end
+-- of its commit (through synchronous replication and any deferred trigger after this
+-- one); a consumer falling asleep takes it exclusively before its mark. So a publisher
+-- that saw a consumer awake (and sent nothing) has committed before that consumer's
+-- mark, and the claim the consumer runs right after the mark finds its events; a
+-- publisher after the mark sees it asleep. Under REPEATABLE READ or SERIALIZABLE the
+-- check would read the consumers as of an older snapshot, so it always notifies.
+CREATE OR REPLACE FUNCTION pgbus.notify_at_commit() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp AS $$
+BEGIN
+    PERFORM pg_catalog.set_config('pgbus.notify_queued', 'off', true);
+    PERFORM pg_catalog.pg_advisory_xact_lock_shared(8099550711435458411);
+    IF pg_catalog.current_setting('transaction_isolation') <> 'read committed'
+       OR pgbus.notify_needed() THEN
+        PERFORM pg_catalog.pg_notify('pgbus', '');
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- A consumer falls asleep (see notify_at_commit).
+CREATE FUNCTION pgbus.mark_asleep(p_id text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_catalog.pg_advisory_xact_lock(8099550711435458411);
+    UPDATE pgbus.consumers SET awake = false WHERE id = p_id;
+END
+$$;
 
 -- Fan-out, rewritten:
 -- * it takes the configuration lock shared before reading the subscriptions, and reads
@@ -587,6 +615,14 @@ REVOKE EXECUTE ON FUNCTION pgbus.sweep(bigint, integer, bigint) FROM PUBLIC;
 ALTER TABLE pgbus.events
     ADD CONSTRAINT events_times_finite
         CHECK (isfinite(occurred_at) AND isfinite(available_at) AND isfinite(created_at)) NOT VALID;
+
+-- The size limit for every writer, SQL included: payload and headers together at most
+-- 16 MiB as stored jsonb (pg_column_size reads the datum's header: no parsing). The
+-- library's own limit (1 MiB of JSON text by default) is checked before sending; this
+-- one keeps a raw INSERT from growing every consumer that claims the row.
+ALTER TABLE pgbus.events
+    ADD CONSTRAINT events_size_limit
+        CHECK (pg_column_size(payload) + pg_column_size(headers) <= 16777216) NOT VALID;
 
 -- The grants, narrowed.
 --

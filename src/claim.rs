@@ -236,6 +236,7 @@ impl ClaimStream {
             let mut awake = shared.opts.poll_only;
             let mut last_work = Instant::now() - LINGER;
             let mut recheck = RECHECKS.len();
+            let mut mark_errors: u32 = 0;
             let mut errors: u32 = 0;
             let mut by_poll = false;
             let mut held_bytes = HeldBytes::default();
@@ -325,15 +326,28 @@ impl ClaimStream {
                     if now.duration_since(last_work) < LINGER {
                         wait = wait.min(COOLDOWN);
                     } else {
-                        // Fall asleep, then claim once more: whatever committed before the
-                        // mark was written is found by that claim, whatever after it
-                        // notifies.
-                        if let Err(e) = sleep_mark(&shared).await {
-                            tracing::debug!(error = %e, "pgbus could not mark itself asleep");
+                        // Fall asleep, then claim once more. The mark waits for every
+                        // publisher that read "awake" to commit (`pgbus.mark_asleep`), so
+                        // that claim finds their events; publishers after it notify.
+                        match sleep_mark(&shared).await {
+                            Ok(()) => {
+                                awake = false;
+                                mark_errors = 0;
+                                recheck = 0;
+                                continue;
+                            }
+                            Err(e) => {
+                                // Still marked awake, so nobody notifies: keep polling,
+                                // on a backoff no longer than the re-checks', and try
+                                // the mark again.
+                                mark_errors += 1;
+                                tracing::debug!(error = %e, "pgbus could not mark itself asleep");
+                                wait = wait.min(
+                                    crate::listen::backoff_delay(mark_errors)
+                                        .min(RECHECKS[RECHECKS.len() - 1]),
+                                );
+                            }
                         }
-                        awake = false;
-                        recheck = 0;
-                        continue;
                     }
                 } else if recheck < RECHECKS.len() {
                     wait = wait.min(RECHECKS[recheck]);

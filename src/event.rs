@@ -19,6 +19,12 @@ pub const MAX_JSON_DEPTH: usize = 127;
 /// The default limit on an event's payload, in bytes of JSON text: 1 MiB.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
+/// The schema's own limit on an event's payload and headers together, in bytes of their
+/// stored jsonb form (`pg_column_size`): 16 MiB. It holds for every writer, SQL included
+/// (the CHECK constraint `events_size_limit`), whatever
+/// [`Publisher::max_payload_bytes`](crate::Publisher::max_payload_bytes) allows.
+pub const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
+
 /// An event: the immutable envelope written to `pgbus.events`.
 ///
 /// Build one with [`Event::new`] and the chained setters, then publish it with

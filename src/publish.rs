@@ -200,7 +200,9 @@ impl Publisher {
     }
 
     /// Sets the largest payload accepted, in bytes of JSON text (default
-    /// [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB).
+    /// [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB), checked before anything is sent. Above
+    /// [`MAX_EVENT_BYTES`](crate::MAX_EVENT_BYTES) the schema refuses the event
+    /// anyway (a database error, SQLSTATE 23514).
     pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
         self.max_payload_bytes = bytes;
         self

@@ -173,7 +173,12 @@ VALUES ($1, $5, now() + $2 * interval '1 millisecond', $3, $4)
 ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.expires_at";
 
 /// Marks this bus asleep: from now on publishers notify it. Parameter: `$1 text` worker id.
-pub const CONSUMER_SLEEP: &str = "UPDATE pgbus.consumers SET awake = false WHERE id = $1";
+///
+/// `pgbus.mark_asleep` first takes the wake lock exclusively, which every publishing
+/// transaction holds shared from its awake check to the end of its commit: the mark waits
+/// for the publishers that saw this bus awake (and sent no notification) to commit, so
+/// the claim that follows the mark finds their events however slow their commit was.
+pub const CONSUMER_SLEEP: &str = "SELECT pgbus.mark_asleep($1)";
 
 /// Removes this bus from `pgbus.consumers` at shutdown. Parameter: `$1 text` worker id.
 pub const CONSUMER_REMOVE: &str = "DELETE FROM pgbus.consumers WHERE id = $1";

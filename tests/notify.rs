@@ -215,3 +215,154 @@ async fn raw_inserts_and_sql_publish_notify() {
         .unwrap();
     assert_eq!(listener.drain().await, 1);
 }
+
+/// A bus with a poll interval far longer than any test wait, and a handler reporting the
+/// names it handles.
+async fn bus_reporting(
+    db: &common::TestDb,
+) -> (pgbus::RunningBus, mpsc::UnboundedReceiver<String>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let running = pgbus::Bus::builder(db.config())
+        .poll_interval(Duration::from_secs(60))
+        .handler_fn("h", ["*"], move |e: Event| {
+            let _ = tx.send(e.name.clone());
+            async { Ok::<(), pgbus::HandlerError>(()) }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    (running, rx)
+}
+
+async fn expect(rx: &mut mpsc::UnboundedReceiver<String>, name: &str, within: Duration) {
+    loop {
+        let got = common::within(&format!("{name} to be handled"), within, rx.recv())
+            .await
+            .expect("the bus stopped");
+        if got == name {
+            return;
+        }
+    }
+}
+
+/// The wake-up race: a publisher reads "awake" and sends no notification, but its
+/// commit becomes visible only after the bus fell asleep and finished its re-checks
+/// (here a deferred trigger holds the commit 600 ms; synchronous replication does the
+/// same). The bus's sleep mark waits for that commit, so the claim after the mark finds
+/// the event, long before the 60 s poll.
+#[tokio::test]
+async fn a_commit_slower_than_every_recheck_is_found_without_the_poll() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.seen_awake (awake boolean);
+             CREATE FUNCTION public.slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.event_name = 'slow' THEN
+                     INSERT INTO public.seen_awake SELECT bool_and(awake) FROM pgbus.consumers;
+                     PERFORM pg_sleep(0.6);
+                 END IF;
+                 RETURN NULL;
+             END $$;
+             CREATE CONSTRAINT TRIGGER zz_slow_commit AFTER INSERT ON pgbus.events
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+                 EXECUTE FUNCTION public.slow_commit();",
+        )
+        .await
+        .unwrap();
+    let (running, mut handled) = bus_reporting(&db).await;
+    let warm: Vec<Event> = (0..8).map(|_| Event::new("warm", json!({}))).collect();
+    let mut caught_awake = false;
+    for _ in 0..10 {
+        // A burst makes the bus claim several at once: it marks itself awake and
+        // lingers. Publish the slow event while it does.
+        pgbus::publish_batch(&client, &warm).await.unwrap();
+        for _ in 0..warm.len() {
+            expect(&mut handled, "warm", Duration::from_secs(10)).await;
+        }
+        pgbus::publish(&client, &Event::new("slow", json!({})))
+            .await
+            .unwrap();
+        expect(&mut handled, "slow", Duration::from_secs(20)).await;
+        let seen: Option<bool> = client
+            .query_one("SELECT awake FROM public.seen_awake", &[])
+            .await
+            .unwrap()
+            .get(0);
+        client
+            .batch_execute("DELETE FROM public.seen_awake")
+            .await
+            .unwrap();
+        if seen == Some(true) {
+            caught_awake = true;
+            break;
+        }
+    }
+    assert!(
+        caught_awake,
+        "the slow commit never read the bus awake: the race was not exercised"
+    );
+    assert_eq!(running.stats().wakeups_by_poll, 0);
+    running.shutdown().await.unwrap();
+}
+
+/// A bus whose sleep mark fails is still marked awake, so nobody notifies it: it keeps
+/// polling on a short backoff instead of sleeping until the poll interval.
+#[tokio::test]
+async fn a_bus_that_cannot_mark_itself_asleep_keeps_finding_events() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    client
+        .batch_execute(
+            "CREATE SEQUENCE public.mark_tries;
+             CREATE OR REPLACE FUNCTION pgbus.mark_asleep(p_id text) RETURNS void
+             LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM nextval('public.mark_tries'); -- not undone by the error
+                 RAISE EXCEPTION 'no sleeping today';
+             END $$;",
+        )
+        .await
+        .unwrap();
+    let (running, mut handled) = bus_reporting(&db).await;
+    let warm: Vec<Event> = (0..8).map(|_| Event::new("warm", json!({}))).collect();
+    pgbus::publish_batch(&client, &warm).await.unwrap();
+    for _ in 0..warm.len() {
+        expect(&mut handled, "warm", Duration::from_secs(10)).await;
+    }
+    // Let the linger pass and the mark fail a few times: the row still says awake.
+    common::wait_for(
+        "the sleep mark to fail three times",
+        Duration::from_secs(30),
+        || async {
+            let tries: i64 = client
+                .query_one(
+                    "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM public.mark_tries",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            tries >= 3
+        },
+    )
+    .await;
+    let awake: bool = client
+        .query_one("SELECT awake FROM pgbus.consumers", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(awake);
+    for n in 0..3 {
+        let name = format!("late{n}");
+        pgbus::publish(&client, &Event::new(name.clone(), json!({})))
+            .await
+            .unwrap();
+        expect(&mut handled, &name, Duration::from_secs(10)).await;
+    }
+    assert_eq!(running.stats().wakeups_by_poll, 0);
+    running.shutdown().await.unwrap();
+}

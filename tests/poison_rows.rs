@@ -303,3 +303,35 @@ async fn infinite_available_at_breaks_no_claim() {
         1
     );
 }
+
+/// The size limit holds for SQL writers too: a raw INSERT of a payload over
+/// `MAX_EVENT_BYTES` is refused by the schema and writes nothing.
+#[tokio::test]
+async fn the_schema_refuses_an_oversized_event_from_sql() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let limit = pgbus::MAX_EVENT_BYTES as i32;
+    let err = client
+        .execute(
+            "INSERT INTO pgbus.events (event_name, payload)
+             VALUES ('p.big', jsonb_build_object('s', repeat('x', $1)))",
+            &[&limit],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION),
+        "{err:?}"
+    );
+    // Just under the limit is accepted.
+    client
+        .execute(
+            "INSERT INTO pgbus.events (event_name, payload)
+             VALUES ('p.big', jsonb_build_object('s', repeat('x', $1)))",
+            &[&(limit - 1024)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(count(&client, "SELECT count(*) FROM pgbus.events").await, 1);
+}
