@@ -199,10 +199,15 @@ BEGIN
 END
 $$;
 
--- Settlement, as in migration 4, but under the configuration lock (taken before the
--- subscriptions are read, so a concurrent change of ordering is either wholly before or
--- wholly after it) and only in READ COMMITTED.
-CREATE OR REPLACE FUNCTION pgbus.settle(
+-- Settlement, reaping and head repairs keep migration 4's bodies, renamed, behind
+-- wrappers that first refuse any isolation level but READ COMMITTED and take the
+-- configuration lock shared, so a concurrent change of ordering is wholly before or
+-- wholly after them. The wrapped function runs as a statement after the lock, with a
+-- snapshot that sees every change committed before it.
+ALTER FUNCTION pgbus.settle(text[], bigint[], integer[], text[], bigint[], integer[], text[],
+                            bigint[], boolean[], text[], bigint[], integer[], text)
+    RENAME TO settle_unlocked;
+CREATE FUNCTION pgbus.settle(
     ack_subs text[], ack_seqs bigint[], ack_attempts integer[],
     fail_subs text[], fail_seqs bigint[], fail_attempts integer[], fail_errors text[],
     fail_delays_ms bigint[], fail_permanent boolean[],
@@ -210,220 +215,45 @@ CREATE OR REPLACE FUNCTION pgbus.settle(
     worker text)
 RETURNS TABLE (kind text, subscription text, event_seq bigint)
 LANGUAGE plpgsql SET jit = off AS $$
-DECLARE
-    v_subs text[];
-    v_keys text[];
 BEGIN
     PERFORM pgbus.require_read_committed('pgbus.settle');
     PERFORM pgbus.lock_config(false);
-    -- Only deliveries of ordered subscriptions are looked up: with none, this is free.
-    SELECT array_agg(d.subscription), array_agg(d.ordering_key) INTO v_subs, v_keys
-    FROM (SELECT * FROM unnest(ack_subs, ack_seqs)
-          UNION ALL SELECT * FROM unnest(fail_subs, fail_seqs)) AS t(s, q)
-    JOIN pgbus.deliveries AS d ON d.subscription = t.s AND d.event_seq = t.q
-    WHERE d.ordering_key IS NOT NULL;
-    IF v_subs IS NOT NULL THEN
-        PERFORM pgbus.lock_keys(v_subs, v_keys);
-    END IF;
-
-    RETURN QUERY
-    WITH acks AS (
-      SELECT * FROM unnest(ack_subs, ack_seqs, ack_attempts) AS a(subscription, event_seq, attempt)
-    ),
-    fails AS (
-      SELECT * FROM unnest(fail_subs, fail_seqs, fail_attempts, fail_errors, fail_delays_ms, fail_permanent)
-        AS f(subscription, event_seq, attempt, error, delay_ms, permanent)
-    ),
-    releases AS (
-      SELECT * FROM unnest(rel_subs, rel_seqs, rel_attempts) AS r(subscription, event_seq, attempt)
-    ),
-    acked AS (
-      DELETE FROM pgbus.deliveries AS d
-      USING acks
-      WHERE d.subscription = acks.subscription AND d.event_seq = acks.event_seq
-        AND d.attempts = acks.attempt AND d.locked_by = worker
-      RETURNING d.subscription, d.event_seq, d.ordering_key, d.is_head
-    ),
-    failed AS (
-      UPDATE pgbus.deliveries AS d
-      SET status = CASE WHEN fails.permanent OR d.attempts >= coalesce(s.max_attempts, 1)
-                        THEN 'dead' ELSE 'pending' END,
-          is_head = CASE WHEN (fails.permanent OR d.attempts >= coalesce(s.max_attempts, 1))
-                              AND d.ordering_key IS NOT NULL AND s.on_dead = 'skip'
-                         THEN false ELSE d.is_head END,
-          available_at = now() + fails.delay_ms * interval '1 millisecond',
-          locked_until = NULL,
-          last_error = fails.error
-      FROM fails LEFT JOIN pgbus.subscriptions AS s ON s.name = fails.subscription
-      WHERE d.subscription = fails.subscription AND d.event_seq = fails.event_seq
-        AND d.attempts = fails.attempt AND d.locked_by = worker AND d.status = 'processing'
-      RETURNING d.subscription, d.event_seq, d.attempts, d.status, d.ordering_key, d.is_head,
-                fails.error
-    ),
-    history AS (
-      INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error, worker)
-      SELECT f.subscription, f.event_seq, f.attempts, f.error, worker FROM failed AS f
-    ),
-    released AS (
-      UPDATE pgbus.deliveries AS d
-      SET status = 'pending', attempts = d.attempts - 1, locked_until = NULL, available_at = now()
-      FROM releases
-      WHERE d.subscription = releases.subscription AND d.event_seq = releases.event_seq
-        AND d.attempts = releases.attempt AND d.locked_by = worker AND d.status = 'processing'
-      RETURNING d.subscription, d.event_seq
-    ),
-    vacated AS (
-      SELECT x.subscription, x.ordering_key FROM acked AS x
-       WHERE x.ordering_key IS NOT NULL AND x.is_head
-      UNION
-      SELECT x.subscription, x.ordering_key FROM failed AS x
-       WHERE x.ordering_key IS NOT NULL AND x.status = 'dead' AND NOT x.is_head
-    ),
-    promoted AS (
-      UPDATE pgbus.deliveries AS d SET is_head = true
-      FROM vacated AS v
-      WHERE d.subscription = v.subscription
-        AND d.event_seq = pgbus.next_of_key(v.subscription, v.ordering_key)
-      RETURNING d.subscription, d.event_seq
-    ),
-    wake AS (
-      SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM promoted LIMIT 1) AS x
-      WHERE pgbus.notify_needed()
-    )
-    SELECT 'ack'::text, a.subscription, a.event_seq FROM acks AS a
-     WHERE NOT EXISTS (SELECT 1 FROM acked AS x
-                       WHERE x.subscription = a.subscription AND x.event_seq = a.event_seq)
-    UNION ALL
-    SELECT 'fail', f.subscription, f.event_seq FROM fails AS f
-     WHERE NOT EXISTS (SELECT 1 FROM failed AS x
-                       WHERE x.subscription = f.subscription AND x.event_seq = f.event_seq)
-    UNION ALL
-    SELECT 'release', r.subscription, r.event_seq FROM releases AS r
-     WHERE NOT EXISTS (SELECT 1 FROM released AS x
-                       WHERE x.subscription = r.subscription AND x.event_seq = r.event_seq)
-    UNION ALL
-    SELECT 'dead', x.subscription, x.event_seq FROM failed AS x WHERE x.status = 'dead'
-    UNION ALL
-    SELECT 'promoted', p.subscription, p.event_seq FROM promoted AS p
-    UNION ALL
-    SELECT 'woke', NULL, NULL FROM wake;
+    RETURN QUERY SELECT * FROM pgbus.settle_unlocked(
+        ack_subs, ack_seqs, ack_attempts, fail_subs, fail_seqs, fail_attempts, fail_errors,
+        fail_delays_ms, fail_permanent, rel_subs, rel_seqs, rel_attempts, worker);
 END
 $$;
 
--- Reaping, as in migration 4, under the configuration lock and in READ COMMITTED.
-CREATE OR REPLACE FUNCTION pgbus.reap(max_rows integer)
+ALTER FUNCTION pgbus.reap(integer) RENAME TO reap_unlocked;
+CREATE FUNCTION pgbus.reap(max_rows integer)
 RETURNS TABLE (returned bigint, dead bigint)
 LANGUAGE plpgsql SET jit = off AS $$
-DECLARE
-    v_subs text[];
-    v_seqs bigint[];
-    v_keys text[];
 BEGIN
     PERFORM pgbus.require_read_committed('pgbus.reap');
     PERFORM pgbus.lock_config(false);
-    SELECT array_agg(c.subscription), array_agg(c.event_seq), array_agg(c.ordering_key)
-      INTO v_subs, v_seqs, v_keys
-    FROM (SELECT d.subscription, d.event_seq, d.ordering_key FROM pgbus.deliveries AS d
-          WHERE d.status = 'processing' AND d.locked_until < now()
-          ORDER BY d.locked_until
-          LIMIT max_rows) AS c;
-    IF v_subs IS NULL THEN
-        RETURN QUERY SELECT 0::bigint, 0::bigint;
-        RETURN;
-    END IF;
-    PERFORM pgbus.lock_keys(v_subs, v_keys);
-
-    RETURN QUERY
-    WITH expired AS (
-      SELECT d.subscription, d.event_seq FROM pgbus.deliveries AS d
-      JOIN unnest(v_subs, v_seqs) AS c(subscription, event_seq)
-        ON d.subscription = c.subscription AND d.event_seq = c.event_seq
-      WHERE d.status = 'processing' AND d.locked_until < now()
-      FOR UPDATE OF d SKIP LOCKED
-    ),
-    reaped AS (
-      UPDATE pgbus.deliveries AS d
-      SET status = CASE WHEN d.attempts >= coalesce(s.max_attempts, 1) THEN 'dead' ELSE 'pending' END,
-          is_head = CASE WHEN d.attempts >= coalesce(s.max_attempts, 1)
-                              AND d.ordering_key IS NOT NULL AND s.on_dead = 'skip'
-                         THEN false ELSE d.is_head END,
-          available_at = now(),
-          locked_until = NULL,
-          last_error = 'lease expired (worker ' || coalesce(d.locked_by, 'unknown') || ')'
-      FROM expired LEFT JOIN pgbus.subscriptions AS s ON s.name = expired.subscription
-      WHERE d.subscription = expired.subscription AND d.event_seq = expired.event_seq
-      RETURNING d.subscription, d.event_seq, d.attempts, d.status, d.last_error, d.locked_by,
-                d.ordering_key, d.is_head
-    ),
-    history AS (
-      INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error, worker)
-      SELECT r.subscription, r.event_seq, r.attempts, r.last_error, r.locked_by FROM reaped AS r
-    ),
-    promoted AS (
-      UPDATE pgbus.deliveries AS d SET is_head = true
-      FROM (SELECT r.subscription, r.ordering_key FROM reaped AS r
-            WHERE r.ordering_key IS NOT NULL AND r.status = 'dead' AND NOT r.is_head) AS v
-      WHERE d.subscription = v.subscription
-        AND d.event_seq = pgbus.next_of_key(v.subscription, v.ordering_key)
-      RETURNING d.event_seq
-    ),
-    wake AS (
-      SELECT pg_notify('pgbus', '')
-      FROM (SELECT 1 FROM reaped AS r WHERE r.status = 'pending'
-            UNION ALL SELECT 1 FROM promoted) AS x
-      LIMIT 1
-    )
-    SELECT count(*) FILTER (WHERE r.status = 'pending'),
-           count(*) FILTER (WHERE r.status = 'dead') + 0 * (SELECT count(*) FROM wake)
-    FROM reaped AS r;
+    RETURN QUERY SELECT * FROM pgbus.reap_unlocked(max_rows);
 END
 $$;
 
--- Head repairs under the configuration lock, in READ COMMITTED.
-CREATE OR REPLACE FUNCTION pgbus.ensure_heads(subs text[], keys text[])
+ALTER FUNCTION pgbus.ensure_heads(text[], text[]) RENAME TO ensure_heads_unlocked;
+CREATE FUNCTION pgbus.ensure_heads(subs text[], keys text[])
 RETURNS TABLE (subscription text, ordering_key text, event_seq bigint)
 LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pgbus.require_read_committed('pgbus.ensure_heads');
     PERFORM pgbus.lock_config(false);
-    PERFORM pgbus.lock_keys(subs, keys);
-    RETURN QUERY
-    UPDATE pgbus.deliveries AS d SET is_head = true
-    FROM (SELECT DISTINCT t.s, t.k FROM unnest(subs, keys) AS t(s, k)
-          WHERE t.k IS NOT NULL) AS o
-    WHERE d.subscription = o.s
-      AND d.event_seq = pgbus.next_of_key(o.s, o.k)
-      AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS h
-                      WHERE h.subscription = o.s AND h.ordering_key = o.k AND h.is_head)
-    RETURNING d.subscription, d.ordering_key, d.event_seq;
+    RETURN QUERY SELECT * FROM pgbus.ensure_heads_unlocked(subs, keys);
 END
 $$;
 
-CREATE OR REPLACE FUNCTION pgbus.skip_dead_head(p_subscription text, p_key text)
+ALTER FUNCTION pgbus.skip_dead_head(text, text) RENAME TO skip_dead_head_unlocked;
+CREATE FUNCTION pgbus.skip_dead_head(p_subscription text, p_key text)
 RETURNS TABLE (skipped bigint, promoted bigint)
 LANGUAGE plpgsql AS $$
-DECLARE
-    v_skipped bigint;
-    v_promoted bigint;
 BEGIN
     PERFORM pgbus.require_read_committed('pgbus.skip_dead_head');
     PERFORM pgbus.lock_config(false);
-    PERFORM pgbus.lock_keys(ARRAY[p_subscription], ARRAY[p_key]);
-    UPDATE pgbus.deliveries AS d SET is_head = false
-    WHERE d.subscription = p_subscription AND d.ordering_key = p_key
-      AND d.is_head AND d.status = 'dead'
-    RETURNING d.event_seq INTO v_skipped;
-    IF v_skipped IS NULL THEN
-        RETURN;
-    END IF;
-    UPDATE pgbus.deliveries AS d SET is_head = true
-    WHERE d.subscription = p_subscription
-      AND d.event_seq = pgbus.next_of_key(p_subscription, p_key)
-    RETURNING d.event_seq INTO v_promoted;
-    IF v_promoted IS NOT NULL THEN
-        PERFORM pg_notify('pgbus', '');
-    END IF;
-    RETURN QUERY SELECT v_skipped, v_promoted;
+    RETURN QUERY SELECT * FROM pgbus.skip_dead_head_unlocked(p_subscription, p_key);
 END
 $$;
 
