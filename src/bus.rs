@@ -111,7 +111,8 @@ pub struct Stats {
     pub reaped: u64,
     /// Claim statements that failed.
     pub claim_errors: u64,
-    /// Settlement batches that could not be written.
+    /// Settlements given up: a batch that could not be written, or, once a refused batch
+    /// is split, each single settlement PostgreSQL still refuses.
     pub settle_errors: u64,
     /// Ordering keys found without a head and repaired (should stay 0).
     pub repaired: u64,

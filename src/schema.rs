@@ -69,10 +69,25 @@ CREATE TABLE IF NOT EXISTS pgbus.schema_migrations (
 ///
 /// # Errors
 ///
+/// [`Error::Invalid`] for a database whose encoding is `SQL_ASCII` (nothing is written),
 /// [`Error::Database`] when a statement fails (the failing migration is rolled back), and
 /// [`Error::MigrationDrift`] when a migration recorded as applied has different content
 /// from the one this binary carries.
 pub async fn migrate(client: &tokio_postgres::Client) -> Result<Vec<Migration>> {
+    // SQL_ASCII stores text bytes unchecked: a row that is not valid UTF-8 could never
+    // be sent to pgbus, and every claim of its subscription would fail.
+    let encoding: String = client
+        .query_one("SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()", &[])
+        .await?
+        .get(0);
+    if encoding == "SQL_ASCII" {
+        return Err(Error::Invalid {
+            what: "database encoding",
+            reason: "pgbus needs a database with a real encoding (UTF8, or any other than \
+                     SQL_ASCII): SQL_ASCII keeps text bytes unchecked"
+                .into(),
+        });
+    }
     let mut applied = Vec::new();
     for migration in MIGRATIONS {
         client.batch_execute("BEGIN").await?;

@@ -97,3 +97,41 @@ async fn a_changed_migration_is_reported_as_drift() {
         "{err:?}"
     );
 }
+
+/// A SQL_ASCII database keeps text bytes unchecked, so a row pgbus could never read could
+/// stop a subscription: `migrate` refuses it and writes nothing.
+#[tokio::test]
+async fn migrate_refuses_a_sql_ascii_database() {
+    let db = common::test_db().await;
+    let admin = db.connect().await;
+    let name = format!("{}_ascii", db.name());
+    admin
+        .batch_execute(&format!(
+            "CREATE DATABASE {name} TEMPLATE template0 ENCODING 'SQL_ASCII' \
+             LC_COLLATE 'C' LC_CTYPE 'C'"
+        ))
+        .await
+        .unwrap();
+    let mut config = db.config();
+    config.dbname(&name);
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let err = pgbus::migrate(&client).await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            pgbus::Error::Invalid {
+                what: "database encoding",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(pgbus::schema::schema_version(&client).await.unwrap(), None);
+    drop(client);
+    let _ = connection.await;
+    admin
+        .batch_execute(&format!("DROP DATABASE {name}"))
+        .await
+        .unwrap();
+}
