@@ -86,6 +86,17 @@ BEGIN
 END
 $$;
 
+-- The subscriptions each of these event names matches, with their ordering: one read of
+-- pgbus.subscriptions in the caller's snapshot (STABLE).
+CREATE FUNCTION pgbus.matching_subscriptions(names text[])
+RETURNS TABLE (event_name text, subscription text, ordered boolean)
+LANGUAGE sql STABLE AS $$
+    SELECT n.name, s.name, s.ordered
+    FROM unnest(names) AS n(name)
+    JOIN pgbus.subscriptions AS s
+      ON EXISTS (SELECT 1 FROM unnest(s.patterns) AS p WHERE pgbus.pattern_matches(p, n.name))
+$$;
+
 -- Fan-out, rewritten:
 -- * it takes the configuration lock shared before reading the subscriptions, and reads
 --   them once: every delivery of this statement follows one version of the settings;
@@ -114,14 +125,13 @@ BEGIN
     -- only where the subscription is ordered and the event has one.
     SELECT array_agg(m.sub), array_agg(m.seq), array_agg(m.available_at), array_agg(m.key)
       INTO v_subs, v_seqs, v_avail, v_keys
-    FROM (SELECT s.name AS sub, e.seq, e.available_at,
+    FROM (SELECT s.subscription AS sub, e.seq, e.available_at,
                  CASE WHEN s.ordered
                       THEN pgbus.event_key(e.ordering_key, e.aggregate_type, e.aggregate_id)
                  END AS key
           FROM new_events AS e
-          JOIN pgbus.subscriptions AS s
-            ON EXISTS (SELECT 1 FROM unnest(s.patterns) AS p
-                       WHERE pgbus.pattern_matches(p, e.event_name))) AS m;
+          JOIN pgbus.matching_subscriptions(ARRAY(SELECT DISTINCT n.event_name FROM new_events AS n)) AS s
+            ON s.event_name = e.event_name) AS m;
     IF v_subs IS NULL THEN
         RETURN NULL;
     END IF;

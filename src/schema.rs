@@ -46,6 +46,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "least_privilege",
         sql: include_str!("../sql/0005_least_privilege.sql"),
     },
+    Migration {
+        version: 6,
+        name: "pattern_index",
+        sql: include_str!("../sql/0006_pattern_index.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,
