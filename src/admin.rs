@@ -472,9 +472,11 @@ async fn subscription_statuses<C: GenericClient>(
                 due: row.try_get(4)?,
                 processing: row.try_get(5)?,
                 dead: row.try_get(6)?,
+                // An infinite age (a row written with available_at = -infinity before
+                // the schema refused it) reads as the longest duration there is.
                 oldest_due_age: row
                     .try_get::<_, Option<f64>>(7)?
-                    .map(|s| Duration::from_secs_f64(s.max(0.0))),
+                    .map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)),
                 done_last_minute: row.try_get(8)?,
                 consumers: row.try_get(9)?,
             })
@@ -559,7 +561,8 @@ pub struct DeadLetter {
     pub failed_at: Option<DateTime<Utc>>,
 }
 
-/// Lists dead letters, oldest event first, at most `limit`.
+/// Lists dead letters, oldest event first, at most `limit`. For the next page, call
+/// [`dead_letters_after`] with the last one listed.
 ///
 /// # Errors
 ///
@@ -570,12 +573,36 @@ pub async fn dead_letters<C: Executor + ?Sized>(
     filter: &DeadLetterFilter,
     limit: i64,
 ) -> Result<Vec<DeadLetter>> {
+    dead_letters_after(client, filter, limit, None).await
+}
+
+/// Lists dead letters after `after` (the last one of the previous page; `None`: from the
+/// start), oldest event first, at most `limit`. Each page costs the same however many
+/// dead letters there are.
+///
+/// # Errors
+///
+/// As [`dead_letters`].
+pub async fn dead_letters_after<C: Executor + ?Sized>(
+    client: &C,
+    filter: &DeadLetterFilter,
+    limit: i64,
+    after: Option<&DeadLetter>,
+) -> Result<Vec<DeadLetter>> {
     filter.check(client).await?;
+    let after_seq = after.map(|d| d.event_seq);
+    let after_sub = after.map(|d| d.subscription.as_str());
     let rows = client
         .client()
         .query(
             sql::DEAD_LIST,
-            &[&filter.subscription, &filter.event_id, &limit],
+            &[
+                &filter.subscription,
+                &filter.event_id,
+                &limit,
+                &after_seq,
+                &after_sub,
+            ],
         )
         .await?;
     rows.iter()

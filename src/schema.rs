@@ -48,8 +48,8 @@ pub static MIGRATIONS: &[Migration] = &[
     },
     Migration {
         version: 6,
-        name: "pattern_index",
-        sql: include_str!("../sql/0006_pattern_index.sql"),
+        name: "scale",
+        sql: include_str!("../sql/0006_scale.sql"),
     },
 ];
 

@@ -192,35 +192,57 @@ pub const CONSUMER_REMOVE: &str = "DELETE FROM pgbus.consumers WHERE id = $1";
 /// due); the events published in the last minute that matched and whose delivery is
 /// finished (completed, or purged); live consumers serving it.
 ///
-/// The counts read every delivery of the subscription (O(backlog)); the last-minute count
-/// reads the last minute of the log through `events_created_at_idx`. Completed deliveries
-/// are deleted, so the log is the only cheap record of them: a retry or replay of an older
-/// event that completes in the last minute is not counted.
+/// Set-based: one pass over the deliveries (of the one subscription, through the primary
+/// key, when `$1` is given) grouped by subscription; one pass over the last minute of the
+/// log (`events_created_at_idx`) matched through the pattern index; one over the live
+/// consumers. Its cost follows the deliveries and the last minute's events, not their
+/// product with the number of subscriptions. Completed deliveries are deleted, so the log
+/// is the only cheap record of them: a retry or replay of an older event that completes
+/// in the last minute is not counted.
 pub const STATUS_SUBSCRIPTIONS: &str = "\
-SELECT s.name, s.patterns, s.max_attempts,
-       coalesce(c.pending, 0), coalesce(c.due, 0), coalesce(c.processing, 0),
-       coalesce(c.dead, 0),
-       extract(epoch FROM now() - c.oldest_due)::float8,
-       (SELECT count(*) FROM pgbus.events AS e
-         WHERE e.created_at > now() - interval '1 minute'
-           AND e.created_at >= s.created_at
-           AND e.available_at <= now()
-           AND EXISTS (SELECT 1 FROM unnest(s.patterns) AS p
-                       WHERE pgbus.pattern_matches(p, e.event_name))
-           AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
-                           WHERE d.subscription = s.name AND d.event_seq = e.seq)),
-       (SELECT count(*) FROM pgbus.consumers AS k
-         WHERE k.expires_at > now() AND s.name = ANY (k.subscriptions))
-FROM pgbus.subscriptions AS s
-LEFT JOIN LATERAL (
-  SELECT count(*) FILTER (WHERE d.status = 'pending') AS pending,
+WITH counts AS (
+  SELECT d.subscription,
+         count(*) FILTER (WHERE d.status = 'pending') AS pending,
          count(*) FILTER (WHERE d.status = 'pending' AND d.available_at <= now()) AS due,
          count(*) FILTER (WHERE d.status = 'processing') AS processing,
          count(*) FILTER (WHERE d.status = 'dead') AS dead,
          min(d.available_at) FILTER (WHERE d.status = 'pending' AND d.available_at <= now())
            AS oldest_due
-  FROM pgbus.deliveries AS d WHERE d.subscription = s.name
-) AS c ON true
+  FROM pgbus.deliveries AS d
+  WHERE $1::text IS NULL OR d.subscription = $1
+  GROUP BY d.subscription
+),
+recent AS (
+  SELECT e.seq, e.event_name, e.created_at FROM pgbus.events AS e
+  WHERE e.created_at > now() - interval '1 minute' AND e.available_at <= now()
+),
+done AS (
+  SELECT m.subscription, count(*) AS n
+  FROM recent AS e
+  JOIN pgbus.matching_subscriptions(ARRAY(SELECT DISTINCT r.event_name FROM recent AS r)) AS m
+    ON m.event_name = e.event_name
+  JOIN pgbus.subscriptions AS s ON s.name = m.subscription
+  WHERE ($1::text IS NULL OR m.subscription = $1)
+    AND e.created_at >= s.created_at
+    AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
+                    WHERE d.subscription = m.subscription AND d.event_seq = e.seq)
+  GROUP BY m.subscription
+),
+live AS (
+  SELECT t.name, count(*) AS n
+  FROM pgbus.consumers AS k, unnest(k.subscriptions) AS t(name)
+  WHERE k.expires_at > now()
+  GROUP BY t.name
+)
+SELECT s.name, s.patterns, s.max_attempts,
+       coalesce(c.pending, 0), coalesce(c.due, 0), coalesce(c.processing, 0),
+       coalesce(c.dead, 0),
+       (extract(epoch FROM now()) - extract(epoch FROM c.oldest_due))::float8,
+       coalesce(done.n, 0), coalesce(live.n, 0)
+FROM pgbus.subscriptions AS s
+LEFT JOIN counts AS c ON c.subscription = s.name
+LEFT JOIN done ON done.subscription = s.name
+LEFT JOIN live ON live.name = s.name
 WHERE $1::text IS NULL OR s.name = $1
 ORDER BY s.name";
 
@@ -238,11 +260,17 @@ SELECT pg_notification_queue_usage(),
 pub const SUBSCRIPTION_EXISTS: &str =
     "SELECT EXISTS (SELECT 1 FROM pgbus.subscriptions WHERE name = $1::text)";
 
-/// Dead letters, oldest event first. Parameters: `$1 text` subscription (NULL: all),
-/// `$2 text` event id (NULL: all), `$3 int8` the most rows to return.
+/// Dead letters, oldest event first, a page at a time. Parameters: `$1 text`
+/// subscription (NULL: all), `$2 text` event id (NULL: all), `$3 int8` the most rows to
+/// return, `$4 int8` and `$5 text`: only after this (event seq, subscription), the last
+/// row of the previous page (NULL: from the start).
 ///
 /// Columns: subscription, event seq, event id, event name (NULL if the event is gone),
 /// attempts, last error, time of the last failed attempt (from the history).
+///
+/// Index-backed and bounded: `deliveries_dead_idx` (one subscription) or
+/// `deliveries_dead_seq_idx` (all) in the listing's order, at most `$3` rows, each
+/// joined by key.
 pub const DEAD_LIST: &str = "\
 SELECT d.subscription, d.event_seq, e.id, e.event_name, d.attempts, d.last_error, f.failed_at
 FROM pgbus.deliveries AS d
@@ -254,6 +282,7 @@ LEFT JOIN LATERAL (
 WHERE d.status = 'dead'
   AND ($1::text IS NULL OR d.subscription = $1)
   AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
+  AND ($4::int8 IS NULL OR (d.event_seq, d.subscription) > ($4, $5::text))
 ORDER BY d.event_seq, d.subscription
 LIMIT $3::int8";
 

@@ -1,5 +1,6 @@
--- pgbus schema, version 6: fan-out costs O(matching subscriptions), not O(subscriptions).
+-- pgbus schema, version 6: costs that follow the work, not the number of subscriptions.
 --
+-- Fan-out costs O(matching subscriptions), not O(subscriptions).
 -- Until now every new event was tested against every pattern of every subscription:
 -- with 10,000 subscriptions, publishing 100,000 events ran for minutes. The patterns are
 -- now indexed: an exact name by equality, `prefix.*` by its prefix ('order.'), '*' as
@@ -78,3 +79,8 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Operators read the index too (status); consumers need nothing new: the trigger writes it.
+
+-- Dead letters of every subscription, oldest event first, a page at a time
+-- (`pgbus dead list` without --subscription; with one, deliveries_dead_idx serves).
+CREATE INDEX deliveries_dead_seq_idx ON pgbus.deliveries (event_seq, subscription)
+    WHERE status = 'dead';
