@@ -239,6 +239,9 @@ impl Event {
                     "contains \\u0000, which PostgreSQL text cannot store",
                 ));
             }
+            if let Some(text) = text {
+                validate_visible(what, text)?;
+            }
         }
         if !self.headers.is_object() {
             return Err(Error::invalid(
@@ -314,12 +317,43 @@ pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
     }
     if let Some(c) = name
         .chars()
-        .find(|c| c.is_whitespace() || c.is_control() || *c == '*')
+        .find(|c| c.is_whitespace() || c.is_control() || *c == '*' || is_invisible(*c))
     {
         return Err(Error::invalid(
             what,
             format!(
-                "{name:?} contains {c:?}; white space, control characters and '*' are not allowed"
+                "{name:?} contains {c:?}; white space, control characters, invisible \
+                 formatting characters and '*' are not allowed"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Characters that change how the text around them reads without showing themselves:
+/// bidirectional marks, embeddings, overrides and isolates, zero-width characters, the
+/// byte order mark. The schema refuses the same (`pgbus.visible_text`).
+pub(crate) fn is_invisible(c: char) -> bool {
+    matches!(
+        c,
+        '\u{061C}'
+            | '\u{180E}'
+            | '\u{200B}'..='\u{200F}'
+            | '\u{202A}'..='\u{202E}'
+            | '\u{2060}'..='\u{2069}'
+            | '\u{FEFF}'
+    )
+}
+
+/// Checks an identifier an operator reads (event id, correlation id, ...): no control or
+/// invisible formatting characters, which could make one event print as another.
+fn validate_visible(what: &'static str, text: &str) -> Result<()> {
+    if let Some(c) = text.chars().find(|c| c.is_control() || is_invisible(*c)) {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "{text:?} contains {c:?}; control characters and invisible formatting \
+                 characters are not allowed"
             ),
         ));
     }

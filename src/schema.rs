@@ -51,6 +51,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "scale",
         sql: include_str!("../sql/0006_scale.sql"),
     },
+    Migration {
+        version: 7,
+        name: "visible_text",
+        sql: include_str!("../sql/0007_visible_text.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,
