@@ -713,13 +713,16 @@ pub struct Replayed {
 /// Delivers again, to one subscription, the events still in the log that were published
 /// in `[since, until)` (by `created_at`) and match the subscription's patterns, and
 /// `pattern` too when given. Events the subscription still has a delivery of (pending,
-/// processing or dead) are skipped. Wakes the listening buses.
+/// processing or dead) are skipped. Wakes the listening buses. In an ordered
+/// subscription, replayed events keep their key's order: each joins its key behind what
+/// is already waiting, in event order.
 ///
 /// One statement: replaying millions of events is one long transaction.
 ///
 /// # Errors
 ///
-/// [`Error::Invalid`] for a bad pattern, [`Error::UnknownSubscription`] when there is no
+/// [`Error::Invalid`] for a bad pattern or an `until` not after `since` (nothing is
+/// written), [`Error::UnknownSubscription`] when there is no
 /// such subscription, [`Error::Database`] when the statement fails.
 pub async fn replay<C: Executor + ?Sized>(
     client: &C,
@@ -730,6 +733,14 @@ pub async fn replay<C: Executor + ?Sized>(
 ) -> Result<Replayed> {
     if let Some(p) = pattern {
         validate_pattern(p)?;
+    }
+    if let Some(until) = until
+        && until <= since
+    {
+        return Err(Error::invalid(
+            "replay range",
+            format!("until ({until}) must be after since ({since})"),
+        ));
     }
     let row = client
         .client()

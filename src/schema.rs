@@ -56,6 +56,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "visible_text",
         sql: include_str!("../sql/0007_visible_text.sql"),
     },
+    Migration {
+        version: 8,
+        name: "ordered_replay",
+        sql: include_str!("../sql/0008_ordered_replay.sql"),
+    },
 ];
 
 /// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,

@@ -329,40 +329,21 @@ pub const ENSURE_HEADS: &str =
 /// row: deliveries deleted, history rows deleted.
 pub const DEAD_PURGE: &str = "SELECT purged, failures FROM pgbus.purge_dead($1, $2)";
 
-/// Creates deliveries of a subscription for events still in the log.
+/// Creates deliveries of a subscription for events still in the log (`pgbus.replay` in
+/// `sql/0008_ordered_replay.sql`).
 ///
 /// Parameters: `$1 text` subscription, `$2 timestamptz` events created at or after,
 /// `$3 timestamptz` and before (NULL: no bound), `$4 text` a pattern the events must also
 /// match (NULL: only the subscription's own patterns).
 ///
-/// Events the subscription already has a delivery of are skipped (`ON CONFLICT DO
-/// NOTHING`). The events are locked `FOR KEY SHARE`, so the retention sweep cannot delete
-/// one under a new delivery. Notifies the listening buses when anything was created.
-/// Returns one row: whether the subscription exists, events matched, deliveries created.
-pub const REPLAY: &str = "\
-WITH sub AS (
-  SELECT name, patterns FROM pgbus.subscriptions WHERE name = $1::text
-),
-matched AS (
-  SELECT e.seq, e.available_at FROM pgbus.events AS e CROSS JOIN sub
-  WHERE e.created_at >= $2::timestamptz
-    AND ($3::timestamptz IS NULL OR e.created_at < $3)
-    AND EXISTS (SELECT 1 FROM unnest(sub.patterns) AS p
-                WHERE pgbus.pattern_matches(p, e.event_name))
-    AND ($4::text IS NULL OR pgbus.pattern_matches($4, e.event_name))
-  FOR KEY SHARE OF e
-),
-created AS (
-  INSERT INTO pgbus.deliveries (subscription, event_seq, available_at)
-  SELECT $1, m.seq, greatest(m.available_at, now()) FROM matched AS m
-  ON CONFLICT (subscription, event_seq) DO NOTHING
-  RETURNING 1
-),
-wake AS (
-  SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM created LIMIT 1) AS x
-)
-SELECT EXISTS (SELECT 1 FROM sub), (SELECT count(*) FROM matched),
-       (SELECT count(*) FROM created), (SELECT count(*) FROM wake)";
+/// Events the subscription already has a delivery of are skipped. The events are locked
+/// `FOR KEY SHARE`, so the retention sweep cannot delete one under a new delivery. In an
+/// ordered subscription each keyed delivery joins its key, behind what the key already
+/// has waiting and in event order, under the key locks and the configuration lock, as
+/// the fan-out does. Notifies the listening buses when anything was created. Returns one
+/// row: whether the subscription exists, events matched, deliveries created,
+/// notifications sent.
+pub const REPLAY: &str = "SELECT found, matched, created, woke FROM pgbus.replay($1::text, $2::timestamptz, $3::timestamptz, $4::text)";
 
 /// Every subscription: name, patterns, max_attempts, created_at, updated_at, and the
 /// live consumers serving it.

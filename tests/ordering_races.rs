@@ -685,3 +685,73 @@ async fn toggling_without_the_configuration_lock_is_detected() {
         t.toggles
     );
 }
+
+/// Replay into an ordered subscription keeps each key's order: the replayed deliveries
+/// join their keys, one head each, in event order, and are handled in that order.
+#[tokio::test]
+async fn replay_into_an_ordered_subscription_keeps_each_keys_order() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    ordered_sub(&client, DeadHeadPolicy::Block).await;
+    for n in 0..4 {
+        for key in ["a", "b"] {
+            pgbus::publish(
+                &client,
+                &Event::new("x", json!({ "n": n })).ordering_key(key),
+            )
+            .await
+            .unwrap();
+        }
+    }
+    // Everything is done with: the deliveries are gone, the events stay in the log.
+    client
+        .batch_execute("DELETE FROM pgbus.deliveries")
+        .await
+        .unwrap();
+    let since = chrono::Utc::now() - chrono::Duration::hours(1);
+    let err = admin::replay(&client, "o", since, Some(since), None)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Invalid { .. }), "{err:?}");
+    let replayed = admin::replay(&client, "o", since, None, None)
+        .await
+        .unwrap();
+    assert_eq!((replayed.matched, replayed.created), (8, 8));
+    assert_eq!(count(&client, HEAD_VIOLATIONS).await, 0);
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE is_head AND ordering_key IS NOT NULL"
+        )
+        .await,
+        2
+    );
+    let seen: Arc<Mutex<HashMap<String, Vec<i64>>>> = Default::default();
+    let s = seen.clone();
+    let running = Bus::builder(db.config())
+        .concurrency(8)
+        .poll_interval(Duration::from_millis(100))
+        .handler_fn("o", ["*"], move |e: Event| {
+            let key = e.ordering_key.clone().unwrap_or_default();
+            s.lock()
+                .unwrap()
+                .entry(key)
+                .or_default()
+                .push(e.payload["n"].as_i64().unwrap());
+            async { Ok::<(), HandlerError>(()) }
+        })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    common::wait_for("the replay to be handled", WAIT, || async {
+        count(&client, "SELECT count(*) FROM pgbus.deliveries").await == 0
+    })
+    .await;
+    running.shutdown().await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    for key in ["a", "b"] {
+        assert_eq!(seen[key], [0, 1, 2, 3], "key {key}");
+    }
+}
