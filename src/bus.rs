@@ -192,6 +192,12 @@ pub(crate) struct Shared {
     pub(crate) settle_tx: mpsc::UnboundedSender<SettleMsg>,
     pub(crate) stats: Counters,
     pub(crate) listening: AtomicBool,
+    /// Warnings at the start of an outage, at most one a minute per task.
+    pub(crate) claim_warn: crate::listen::WarnGate,
+    pub(crate) settle_warn: crate::listen::WarnGate,
+    pub(crate) lease_warn: crate::listen::WarnGate,
+    /// This bus's subscriptions found dropped by the last consumer heartbeat.
+    pub(crate) missing: Mutex<Vec<String>>,
     pub(crate) stopping: CancellationToken,
 }
 
@@ -420,6 +426,10 @@ impl Bus {
             settle_tx,
             stats: Counters::default(),
             listening: AtomicBool::new(false),
+            missing: Mutex::new(Vec::new()),
+            claim_warn: Default::default(),
+            settle_warn: Default::default(),
+            lease_warn: Default::default(),
             stopping: stopping.clone(),
         });
         claim::consumer_heartbeat(&shared).await?;
@@ -749,6 +759,17 @@ impl RunningBus {
         self.shared.listening.load(Ordering::Acquire)
     }
 
+    /// This bus's subscriptions that an operator dropped while it runs (checked with the
+    /// consumer heartbeat, every 10 s): they receive nothing until registered again
+    /// (restarting the bus does that). Each drop is also logged at error level.
+    pub fn dropped_subscriptions(&self) -> Vec<String> {
+        self.shared
+            .missing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Makes the claimer look for work now.
     pub fn wake(&self) {
         self.shared.wake.notify_one();
@@ -968,10 +989,15 @@ async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
                 Err(e) => tracing::debug!(error = %e, "pgbus reaper failed"),
             },
             _ = extend.tick() => if let Err(e) = claim::extend_leases(&shared).await {
-                tracing::warn!(error = %e, "pgbus could not extend leases");
+                if shared.lease_warn.allow() {
+                    tracing::warn!(error = %e, "pgbus could not extend leases");
+                } else {
+                    tracing::debug!(error = %e, "pgbus could not extend leases again");
+                }
             },
-            _ = heartbeat.tick() => if let Err(e) = claim::consumer_heartbeat(&shared).await {
-                tracing::debug!(error = %e, "pgbus consumer heartbeat failed");
+            _ = heartbeat.tick() => match claim::consumer_heartbeat(&shared).await {
+                Ok(missing) => note_missing(&shared, missing),
+                Err(e) => tracing::debug!(error = %e, "pgbus consumer heartbeat failed"),
             },
             _ = repair.tick() => {
                 match claim::repair_orphans(&shared).await {
@@ -985,6 +1011,25 @@ async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
             },
         }
     }
+}
+
+/// Records which of this bus's subscriptions were dropped, and says so once per drop.
+fn note_missing(shared: &Shared, missing: Vec<String>) {
+    let mut known = shared.missing.lock().unwrap_or_else(|p| p.into_inner());
+    for name in missing.iter().filter(|n| !known.contains(n)) {
+        tracing::error!(
+            messaging.destination.subscription.name = %name,
+            "pgbus subscription was dropped while this bus consumes it: it receives nothing \
+             until it is registered again (restart this consumer, or stop it)"
+        );
+    }
+    for name in known.iter().filter(|n| !missing.contains(n)) {
+        tracing::info!(
+            messaging.destination.subscription.name = %name,
+            "pgbus subscription is registered again"
+        );
+    }
+    *known = missing;
 }
 
 /// Runs one retention sweep batch; returns when the next one is due.

@@ -237,6 +237,8 @@ impl ClaimStream {
             let mut last_work = Instant::now() - LINGER;
             let mut recheck = RECHECKS.len();
             let mut mark_errors: u32 = 0;
+            // Whether this outage's first claim error was logged as a warning.
+            let mut warned = false;
             let mut errors: u32 = 0;
             let mut by_poll = false;
             let mut held_bytes = HeldBytes::default();
@@ -272,14 +274,19 @@ impl ClaimStream {
                     .await;
                 let claimed = match claimed {
                     Ok(c) => {
-                        if errors > 0 {
+                        if errors > 0 && warned {
                             tracing::info!(after_errors = errors, "pgbus claims succeed again");
+                        } else if errors > 0 {
+                            tracing::debug!(after_errors = errors, "pgbus claims succeed again");
                         }
                         errors = 0;
                         c
                     }
                     Err(e) => {
                         if errors == 0 {
+                            warned = shared.claim_warn.allow();
+                        }
+                        if errors == 0 && warned {
                             tracing::warn!(error = %e, "pgbus claim failed; retrying with backoff");
                         } else {
                             tracing::debug!(error = %e, errors, "pgbus claim failed again");
@@ -508,7 +515,7 @@ async fn write_part(
         } else if e.is_data_fault() || tries >= tries_allowed {
             return Err(e);
         }
-        if tries == 1 {
+        if tries == 1 && shared.settle_warn.allow() {
             tracing::warn!(error = %e, n = part.len(), "pgbus could not write settlements; retrying");
         } else {
             tracing::debug!(error = %e, n = part.len(), tries, "pgbus could not write settlements again");
@@ -834,8 +841,9 @@ pub(crate) async fn repair_orphans(shared: &Shared) -> Result<usize> {
     Ok(rows.len())
 }
 
-/// Registers or renews this bus's row in `pgbus.consumers`.
-pub(crate) async fn consumer_heartbeat(shared: &Shared) -> Result<()> {
+/// Registers or renews this bus's row in `pgbus.consumers`; returns the bus's
+/// subscriptions that no longer exist.
+pub(crate) async fn consumer_heartbeat(shared: &Shared) -> Result<Vec<String>> {
     let client = shared.pool.get().await?;
     let stmt = client
         .prepare_typed_cached(
@@ -856,8 +864,8 @@ pub(crate) async fn consumer_heartbeat(shared: &Shared) -> Result<()> {
         std::process::id(),
         std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown host".into())
     );
-    client
-        .execute(
+    let row = client
+        .query_one(
             &stmt,
             &[
                 &shared.worker_id,
@@ -868,7 +876,7 @@ pub(crate) async fn consumer_heartbeat(shared: &Shared) -> Result<()> {
             ],
         )
         .await?;
-    Ok(())
+    Ok(row.try_get(0)?)
 }
 
 /// Removes this bus's row from `pgbus.consumers`.

@@ -36,6 +36,7 @@ pub(crate) async fn run(
 ) {
     let mut failures: u32 = 0;
     let mut connected_before = false;
+    let gate = WarnGate::default();
     loop {
         let attempt = tokio::select! {
             _ = stop.cancelled() => return,
@@ -44,7 +45,7 @@ pub(crate) async fn run(
         let (client, mut connection) = match attempt {
             Ok(Ok(pair)) => pair,
             Ok(Err(e)) => {
-                log_failure(failures, &e.to_string());
+                log_failure(&gate, failures, &e.to_string());
                 failures += 1;
                 if !backoff(failures, &stop).await {
                     return;
@@ -52,7 +53,7 @@ pub(crate) async fn run(
                 continue;
             }
             Err(_) => {
-                log_failure(failures, "connect timed out");
+                log_failure(&gate, failures, "connect timed out");
                 failures += 1;
                 if !backoff(failures, &stop).await {
                     return;
@@ -78,7 +79,7 @@ pub(crate) async fn run(
             }
         };
         if let Err(e) = listened {
-            log_failure(failures, &e);
+            log_failure(&gate, failures, &e);
             failures += 1;
             if !backoff(failures, &stop).await {
                 return;
@@ -133,7 +134,11 @@ pub(crate) async fn run(
             }
         };
         shared.listening.store(false, Ordering::Release);
-        tracing::warn!(error = %reason, "pgbus listener lost its connection; reconnecting");
+        if gate.allow() {
+            tracing::warn!(error = %reason, "pgbus listener lost its connection; reconnecting");
+        } else {
+            tracing::debug!(error = %reason, "pgbus listener lost its connection again");
+        }
         failures = 1;
         if !backoff(failures, &stop).await {
             return;
@@ -143,8 +148,8 @@ pub(crate) async fn run(
 
 /// Logs the first failure of a series as a warning, the rest at debug level, so a long
 /// outage does not flood the log.
-fn log_failure(failures: u32, error: &str) {
-    if failures == 0 {
+fn log_failure(gate: &WarnGate, failures: u32, error: &str) {
+    if failures == 0 && gate.allow() {
         tracing::warn!(
             error,
             "pgbus listener could not connect; retrying with backoff"
@@ -160,6 +165,28 @@ async fn backoff(failures: u32, stop: &CancellationToken) -> bool {
     tokio::select! {
         _ = stop.cancelled() => false,
         _ = tokio::time::sleep(delay) => true,
+    }
+}
+
+/// How often a task may log the start of an outage as a warning.
+pub(crate) const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// Lets a task log the start of an outage as a warning at most once per [`WARN_EVERY`]:
+/// a connection that flaps (a connection limit reached and freed many times a second)
+/// would otherwise log a warning per flap. What it holds back goes to debug level.
+#[derive(Debug, Default)]
+pub(crate) struct WarnGate(std::sync::Mutex<Option<tokio::time::Instant>>);
+
+impl WarnGate {
+    /// Whether to warn now (and, if so, not again for a while).
+    pub(crate) fn allow(&self) -> bool {
+        let mut last = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let now = tokio::time::Instant::now();
+        if last.is_some_and(|l| now.duration_since(l) < WARN_EVERY) {
+            return false;
+        }
+        *last = Some(now);
+        true
     }
 }
 

@@ -167,10 +167,20 @@ pub const REPAIR: &str =
 /// flag). Parameters: `$1 text` worker id, `$2 int8` time to live in milliseconds,
 /// `$3 text[]` subscriptions, `$4 text` a description (host, pid), `$5 bool` the awake
 /// flag of a new row (a poll-only bus is always awake: notifying it is useless).
+///
+/// Returns one row: the bus's subscriptions that no longer exist (dropped by an
+/// operator while it runs), empty when all do.
 pub const CONSUMER_HEARTBEAT: &str = "\
-INSERT INTO pgbus.consumers AS c (id, awake, expires_at, subscriptions, info)
-VALUES ($1, $5, now() + $2 * interval '1 millisecond', $3, $4)
-ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.expires_at";
+WITH beat AS (
+  INSERT INTO pgbus.consumers AS c (id, awake, expires_at, subscriptions, info)
+  VALUES ($1, $5, now() + $2 * interval '1 millisecond', $3, $4)
+  ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.expires_at
+  RETURNING 1
+)
+SELECT ARRAY(SELECT n FROM unnest($3::text[]) AS n
+             WHERE NOT EXISTS (SELECT 1 FROM pgbus.subscriptions AS s WHERE s.name = n)
+             ORDER BY n)
+FROM (SELECT count(*) FROM beat) AS b";
 
 /// Marks this bus asleep: from now on publishers notify it. Parameter: `$1 text` worker id.
 ///

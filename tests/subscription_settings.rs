@@ -289,3 +289,25 @@ async fn the_command_line_joins_refuses_and_sets() {
         1
     );
 }
+
+/// A subscription dropped while its consumer runs is noticed (at the next consumer
+/// heartbeat) and reported, instead of the consumer idling silently.
+#[tokio::test]
+async fn a_consumer_notices_that_its_subscription_was_dropped() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let running = bus(&db)
+        .handler_fn("h", ["*"], |_| async { Ok(()) })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    assert!(running.dropped_subscriptions().is_empty());
+    admin::drop_subscription(&client, "h", true).await.unwrap();
+    common::wait_for("the drop to be noticed", WAIT, || async {
+        running.dropped_subscriptions() == ["h"]
+    })
+    .await;
+    running.shutdown().await.unwrap();
+}
