@@ -7,6 +7,7 @@ pub(crate) mod output;
 pub(crate) mod admin;
 pub(crate) mod consume;
 pub(crate) mod demo;
+mod group;
 pub(crate) mod keys;
 pub(crate) mod publish;
 pub(crate) mod status;
