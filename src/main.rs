@@ -19,7 +19,10 @@ use cli::Failure;
     after_help = "\
 Every command takes --database-url or DATABASE_URL (postgres://user:password@host/db, or
 libpq key=value pairs). Exit codes: 0 success, 1 failure, 2 bad usage or input (nothing
-was done).
+was done). A reader of standard output that goes away (`pgbus status | head -1`) ends a
+command quietly with 0, as SIGPIPE would; any other failure to write standard output (a
+full disk) is 1. `pgbus consume` is the exception: it cannot deliver without its output,
+so both are 1 there (see `pgbus consume --help`).
 
 New here? `pgbus demo` runs the bus on a throwaway PostgreSQL and shows it working.
 Logs: PGBUS_LOG=info (or debug, or pgbus=debug), on standard error."
@@ -74,13 +77,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let client = cli::connect_url(url).await?;
             let applied = pgbus::migrate(&client).await?;
             if applied.is_empty() {
-                println!(
+                cli::output::outln!(
                     "schema is current (version {})",
                     pgbus::schema::latest_version()
-                );
+                )?;
             } else {
                 for m in &applied {
-                    println!("applied {:04}_{}", m.version, m.name);
+                    cli::output::outln!("applied {:04}_{}", m.version, m.name)?;
                 }
             }
             Ok(())
@@ -132,7 +135,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
-            eprintln!("{}", f.message);
+            if !f.message.is_empty() {
+                eprintln!("{}", f.message);
+            }
             ExitCode::from(f.code)
         }
     }

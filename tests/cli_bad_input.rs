@@ -5,9 +5,11 @@
 
 mod common;
 
-use std::io::Write as _;
+use std::io::{Read as _, Write as _};
 use std::os::unix::ffi::OsStrExt as _;
 use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -28,10 +30,43 @@ fn pgbus(url: Option<&str>, args: &[&std::ffi::OsStr], stdin: Option<&[u8]>) -> 
         input.write_all(bytes).unwrap();
     }
     drop(input);
-    // Every case here fails fast; a hang would be a bug, and the test runner's own
-    // timeout would show it.
-    child.wait_with_output().unwrap()
+    // Every case here fails fast: a hang is a bug, failed here within a deadline.
+    let deadline = Instant::now() + DEADLINE;
+    let read = |mut pipe: Box<dyn std::io::Read + Send>| {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            let _ = tx.send(bytes);
+        });
+        rx
+    };
+    let stdout = read(Box::new(child.stdout.take().unwrap()));
+    let stderr = read(Box::new(child.stderr.take().unwrap()));
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("pgbus {args:?} did not end within {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let rest = |rx: mpsc::Receiver<Vec<u8>>| {
+        rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("pgbus {args:?}: its output did not close"))
+    };
+    Output {
+        status,
+        stdout: rest(stdout),
+        stderr: rest(stderr),
+    }
 }
+
+/// How long one case may take.
+const DEADLINE: Duration = Duration::from_secs(30);
 
 fn os<'a>(args: &[&'a str]) -> Vec<&'a std::ffi::OsStr> {
     args.iter().map(|a| std::ffi::OsStr::new(*a)).collect()

@@ -137,9 +137,9 @@ pub(crate) async fn dead(command: DeadCommand, url: Option<&str>) -> Result<(), 
                         })
                     })
                     .collect();
-                print_json(&json!(items));
+                print_json(&json!(items))?;
             } else if dead.is_empty() {
-                println!("no dead letters");
+                outln!("no dead letters")?;
             } else {
                 let rows: Vec<Vec<String>> = dead
                     .iter()
@@ -155,7 +155,7 @@ pub(crate) async fn dead(command: DeadCommand, url: Option<&str>) -> Result<(), 
                         ]
                     })
                     .collect();
-                print!(
+                out!(
                     "{}",
                     table(
                         &[
@@ -168,7 +168,7 @@ pub(crate) async fn dead(command: DeadCommand, url: Option<&str>) -> Result<(), 
                         ],
                         &rows
                     )
-                );
+                )?;
             }
         }
         DeadCommand::Retry {
@@ -184,9 +184,9 @@ pub(crate) async fn dead(command: DeadCommand, url: Option<&str>) -> Result<(), 
                 return Err(f);
             }
             if json {
-                print_json(&json!({ "retried": retried }));
+                print_json(&json!({ "retried": retried }))?;
             } else {
-                println!("retried {retried} dead letter{}", plural(retried));
+                outln!("retried {retried} dead letter{}", plural(retried))?;
             }
         }
         DeadCommand::Purge {
@@ -213,15 +213,15 @@ pub(crate) async fn dead(command: DeadCommand, url: Option<&str>) -> Result<(), 
                 print_json(&json!({
                     "purged": purged.dead_letters,
                     "failures": purged.failures,
-                }));
+                }))?;
             } else {
-                println!(
+                outln!(
                     "purged {} dead letter{} and {} failure record{}",
                     purged.dead_letters,
                     plural(purged.dead_letters),
                     purged.failures,
                     plural(purged.failures)
-                );
+                )?;
             }
         }
     }
@@ -310,16 +310,16 @@ pub(crate) async fn replay(args: ReplayArgs, url: Option<&str>) -> Result<(), Fa
             "subscription": args.subscription,
             "matched": replayed.matched,
             "created": replayed.created,
-        }));
+        }))?;
     } else {
-        println!(
+        outln!(
             "replayed {} event{} to {:?} ({} matched, {} skipped: already delivering)",
             replayed.created,
             plural(replayed.created),
             args.subscription,
             replayed.matched,
             replayed.matched - replayed.created
-        );
+        )?;
     }
     Ok(())
 }
@@ -411,9 +411,9 @@ pub(crate) async fn subscriptions(
                         })
                     })
                     .collect();
-                print_json(&json!(items));
+                print_json(&json!(items))?;
             } else if subs.is_empty() {
-                println!("no subscriptions yet");
+                outln!("no subscriptions yet")?;
             } else {
                 let rows: Vec<Vec<String>> = subs
                     .iter()
@@ -427,13 +427,13 @@ pub(crate) async fn subscriptions(
                         ]
                     })
                     .collect();
-                print!(
+                out!(
                     "{}",
                     table(
                         &["NAME", "PATTERNS", "MAX ATTEMPTS", "CONSUMERS", "CREATED"],
                         &rows
                     )
-                );
+                )?;
             }
         }
         SubscriptionsCommand::Set {
@@ -479,9 +479,9 @@ pub(crate) async fn subscriptions(
                     "ordered": settings.ordered,
                     "on_dead": if settings.on_dead == pgbus::DeadHeadPolicy::Skip { "skip" } else { "block" },
                     "converted": converted,
-                }));
+                }))?;
             } else {
-                println!(
+                outln!(
                     "subscription {name:?}: patterns {}, max attempts {}, {}{}; {converted} waiting deliver{} converted",
                     settings.patterns.join(","),
                     settings.max_attempts,
@@ -500,7 +500,7 @@ pub(crate) async fn subscriptions(
                         ""
                     },
                     if converted == 1 { "y" } else { "ies" }
-                );
+                )?;
             }
         }
         SubscriptionsCommand::Drop { name, force, json } => {
@@ -518,15 +518,15 @@ pub(crate) async fn subscriptions(
                     "dropped": name,
                     "deliveries": dropped.deliveries,
                     "failures": dropped.failures,
-                }));
+                }))?;
             } else {
-                println!(
+                outln!(
                     "dropped subscription {name:?} ({} deliver{}, {} failure record{})",
                     dropped.deliveries,
                     if dropped.deliveries == 1 { "y" } else { "ies" },
                     dropped.failures,
                     plural(dropped.failures)
-                );
+                )?;
             }
         }
     }
@@ -565,9 +565,9 @@ pub(crate) async fn sweep(args: SweepArgs, url: Option<&str>) -> Result<(), Fail
             "failures": swept.failures,
             "batches": swept.batches,
             "busy": swept.busy,
-        }));
+        }))?;
     } else {
-        println!(
+        outln!(
             "swept {} event{} and {} failure record{} in {} batch{}",
             swept.events,
             plural(swept.events),
@@ -575,9 +575,9 @@ pub(crate) async fn sweep(args: SweepArgs, url: Option<&str>) -> Result<(), Fail
             plural(swept.failures),
             swept.batches,
             if swept.batches == 1 { "" } else { "es" }
-        );
+        )?;
         if swept.busy {
-            println!("another sweep is running; it will delete the rest");
+            outln!("another sweep is running; it will delete the rest")?;
         }
     }
     Ok(())

@@ -1,22 +1,38 @@
 //! `pgbus consume`: register a subscription and deliver its events until stopped, to
 //! standard output (one JSON line each) or to a command (`--exec`).
 
-use std::io::Write as _;
-use std::process::Stdio;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use pgbus::{Bus, DeadHeadPolicy, Delivery, HandlerError, RetryPolicy, SubscriptionOptions};
+use futures::stream::FuturesUnordered;
+use pgbus::{
+    Bus, DeadHeadPolicy, Delivery, HandlerError, RetryPolicy, Subscription, SubscriptionOptions,
+};
+use rustix::process::Signal;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, ChildStderr, ChildStdin};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
-use super::{Failure, failed, parse_duration, usage};
+use super::group::Group;
+use super::output::LineWriter;
+use super::{Failure, StopSignals, failed, human_duration, parse_duration, usage};
 
 /// How much of a failed command's standard error becomes the attempt's error.
 const STDERR_TAIL_BYTES: usize = 2048;
+
+/// How long a command's standard error is still read after the command exited (a
+/// background child may hold it open): what comes later is not read.
+const OUTPUT_GRACE: Duration = Duration::from_millis(100);
+
+/// How long the bus waits for the settlements of the commands stopped at the shutdown
+/// deadline, beyond their grace period.
+const SETTLE_MARGIN: Duration = Duration::from_secs(5);
 
 /// Arguments of `pgbus consume`.
 #[derive(Debug, clap::Args)]
@@ -36,10 +52,26 @@ With --exec CMD, CMD runs under `sh -c` for each delivery with that JSON on stan
 input and PGBUS_SUBSCRIPTION, PGBUS_EVENT_ID, PGBUS_EVENT_NAME and PGBUS_ATTEMPT in its
 environment: exit 0 acks; any other exit is a failed attempt whose error is the end of
 the command's standard error, retried with exponential backoff until --max-attempts, then
-a dead letter (see `pgbus dead`).
+a dead letter (see `pgbus dead`). The exit status alone decides: standard error still
+open when the command exits (a background child holds it) is read for 100ms more, then
+dropped. CMD runs in a process group of its own; whatever of the group still runs once
+CMD exited (background children) is stopped: SIGTERM, then SIGKILL after --kill-grace.
+A command past --timeout is stopped the same way and its attempt fails.
 
-SIGINT or SIGTERM stops it gracefully: nothing more is claimed, deliveries in progress
-finish (up to --shutdown-timeout), the rest are released for another consumer.")]
+SIGINT, SIGTERM or SIGHUP stops it gracefully: nothing more is claimed, deliveries in
+progress finish (up to --shutdown-timeout), the rest are released for another consumer.
+At the deadline (or at a second signal) the commands still running get SIGTERM, then
+SIGKILL after --kill-grace, each to its whole process group: a command that exits 0
+meanwhile is acked, any other end is a failed attempt. Nothing pgbus started runs on
+after it exits.
+
+Its own output failing is pgbus's failure, not the events': standard output closed (the
+reader went away), failing (a full disk), or taking no line for --output-timeout (a
+reader that stopped reading) stops the consumer gracefully with exit 1, and the
+deliveries not printed go back to the subscription (one at most, the line being
+printed, is recorded as a failed attempt retried at once).
+
+Exit codes: 0 stopped by a signal; 1 a failure (the database, the output); 2 bad usage.")]
 pub(crate) struct ConsumeArgs {
     /// The subscription's name: created at start if new; an existing one is joined with
     /// its stored settings.
@@ -82,6 +114,14 @@ pub(crate) struct ConsumeArgs {
     /// How long a graceful stop waits for deliveries in progress.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     shutdown_timeout: Duration,
+    /// How long a --exec command's process group has, after SIGTERM, before SIGKILL (at
+    /// --timeout, at the shutdown deadline, and for what it left running after it exited).
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    kill_grace: Duration,
+    /// Stop (exit 1) when standard output takes no line for this long: nobody reads it
+    /// [default: --lease].
+    #[arg(long, value_parser = parse_duration)]
+    output_timeout: Option<Duration>,
     /// Deliver each ordering key's events one at a time, in the order they committed
     /// (the key: the event's ordering key, else its aggregate "type:id"). Default: the
     /// stored setting (unordered for a new subscription).
@@ -124,17 +164,52 @@ impl OnDead {
 struct Counts {
     acked: AtomicU64,
     failed: AtomicU64,
+    released: AtomicU64,
 }
 
 /// How deliveries are handled.
+#[derive(Debug)]
 enum Sink {
-    /// Standard output: written with blocking writes (a slow reader slows the
-    /// consumer, which is the backpressure wanted).
-    Stdout,
+    /// Standard output, one line at a time from a thread of its own: a slow reader slows
+    /// the consumer (the backpressure wanted), a reader that takes nothing for `timeout`
+    /// stops it.
+    Stdout {
+        writer: LineWriter,
+        timeout: Duration,
+    },
     Exec {
         command: String,
         timeout: Option<Duration>,
     },
+}
+
+/// What the deliveries in progress share.
+#[derive(Debug)]
+struct Ctx {
+    sink: Sink,
+    kill_grace: Duration,
+    counts: Counts,
+    /// Cancelled to stop gracefully: by a signal, or by a failure of the output.
+    stop: CancellationToken,
+    /// Cancelled at the shutdown deadline (or a second signal): commands still running
+    /// are stopped, lines not yet printed are given back.
+    deadline: CancellationToken,
+    /// The output failure that stopped the consumer: its exit.
+    output_failure: Mutex<Option<Failure>>,
+}
+
+impl Ctx {
+    /// Records the first output failure and stops the consumer.
+    fn output_failed(&self, failure: Failure) {
+        let mut slot = self
+            .output_failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(failure);
+        }
+        self.stop.cancel();
+    }
 }
 
 pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Failure> {
@@ -146,12 +221,13 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
     if let Some(n) = args.max_attempts {
         retry = retry.max_attempts(n);
     }
+    // The bus waits past our deadline for the settlements of the commands stopped there.
     let mut builder = Bus::builder(config)
         .concurrency(args.concurrency)
         .lease(args.lease)
         .poll_interval(args.poll_interval)
         .poll_only(args.poll_only)
-        .shutdown_timeout(args.shutdown_timeout)
+        .shutdown_timeout(args.shutdown_timeout + args.kill_grace + SETTLE_MARGIN)
         .reconfigure(args.reconfigure)
         .retry(retry);
     if let Some(listen_url) = &args.listen_url {
@@ -168,8 +244,42 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         options = options.on_dead(on_dead.policy());
     }
     let subscription = bus.subscribe_with(&args.subscription, args.patterns.clone(), options)?;
+    let sink = match args.exec {
+        Some(command) => Sink::Exec {
+            command,
+            timeout: args.timeout,
+        },
+        None => Sink::Stdout {
+            writer: LineWriter::start()
+                .map_err(|e| failed(format!("error: cannot start the output thread: {e}")))?,
+            timeout: args.output_timeout.unwrap_or(args.lease),
+        },
+    };
     let running = bus.start().await?;
-    let stop = super::shutdown_signal()?;
+    let ctx = Arc::new(Ctx {
+        sink,
+        kill_grace: args.kill_grace,
+        counts: Counts::default(),
+        stop: CancellationToken::new(),
+        deadline: CancellationToken::new(),
+        output_failure: Mutex::new(None),
+    });
+    // Signals are watched on a task of their own that does nothing else: no write, however
+    // blocked, can keep it from stopping the consumer.
+    let mut signals = StopSignals::catch()?;
+    let _watch = AbortOnDropHandle::new(tokio::spawn({
+        let (stop, deadline) = (ctx.stop.clone(), ctx.deadline.clone());
+        async move {
+            loop {
+                signals.recv().await;
+                if stop.is_cancelled() {
+                    deadline.cancel();
+                } else {
+                    stop.cancel();
+                }
+            }
+        }
+    }));
     eprintln!(
         "pgbus: consuming {:?} ({}) as worker {}; stop with Ctrl-C or SIGTERM",
         args.subscription,
@@ -181,54 +291,56 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         running.worker_id()
     );
 
-    let sink = Arc::new(match args.exec {
-        Some(command) => Sink::Exec {
-            command,
-            timeout: args.timeout,
-        },
-        None => Sink::Stdout,
-    });
-    let counts = Arc::new(Counts::default());
-    // Cancelled when standard output is gone: nothing more can be delivered.
-    let broken = CancellationToken::new();
-    let mut work = Box::pin(
-        subscription.for_each_concurrent(args.concurrency, |delivery| {
-            let sink = sink.clone();
-            let counts = counts.clone();
-            let broken = broken.clone();
-            async move { handle(&sink, delivery, &counts, &broken).await }
-        }),
-    );
-
-    let mut outcome = Ok(());
-    tokio::select! {
-        _ = &mut work => {}
-        () = stop => {}
-        _ = broken.cancelled() => {
-            outcome = Err(failed("error: standard output was closed"));
-        }
-    }
-    eprintln!("pgbus: stopping: finishing deliveries in progress");
-    // Keep handling what was handed out while the bus drains; what is still running when
-    // the shutdown ends cannot be settled any more: dropping it kills its command, and
-    // its lease brings it back.
-    let shutdown = running.shutdown();
-    tokio::pin!(shutdown);
-    let mut work_done = false;
-    let stopped = loop {
-        tokio::select! {
-            r = &mut shutdown => break r,
-            _ = &mut work, if !work_done => work_done = true,
+    let mut work: Pin<Box<dyn Future<Output = ()> + Send>> = match &ctx.sink {
+        Sink::Stdout { .. } => Box::pin(print_deliveries(subscription, ctx.clone())),
+        Sink::Exec { .. } => {
+            let ctx = ctx.clone();
+            Box::pin(
+                subscription.for_each_concurrent(args.concurrency, move |delivery| {
+                    let ctx = ctx.clone();
+                    async move { exec_delivery(&ctx, delivery).await }
+                }),
+            )
         }
     };
+    let mut work_done = false;
+    tokio::select! {
+        () = &mut work => work_done = true,
+        () = ctx.stop.cancelled() => {}
+    }
+    eprintln!("pgbus: stopping: finishing deliveries in progress");
+    // Keep handling what was handed out while the bus drains; at the deadline the
+    // commands still running are stopped and their attempts settled.
+    let deadline = tokio::time::Instant::now() + args.shutdown_timeout;
+    let shutdown = running.shutdown();
+    tokio::pin!(shutdown);
+    let stopped = loop {
+        tokio::select! {
+            // First: its first poll stops the claiming before the work hands out more.
+            biased;
+            r = &mut shutdown => break r,
+            () = &mut work, if !work_done => work_done = true,
+            () = tokio::time::sleep_until(deadline), if !ctx.deadline.is_cancelled() => {
+                ctx.deadline.cancel();
+            }
+        }
+    };
+    // Whatever is still running cannot be settled any more: dropping it kills its
+    // command's process group at once (its lease brings the delivery back).
     drop(work);
     stopped?;
     eprintln!(
-        "pgbus: stopped: {} acked, {} failed attempts",
-        counts.acked.load(Ordering::Relaxed),
-        counts.failed.load(Ordering::Relaxed)
+        "pgbus: stopped: {} acked, {} failed attempts, {} given back",
+        ctx.counts.acked.load(Ordering::Relaxed),
+        ctx.counts.failed.load(Ordering::Relaxed),
+        ctx.counts.released.load(Ordering::Relaxed),
     );
-    outcome
+    let failure = ctx
+        .output_failure
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    failure.map_or(Ok(()), Err)
 }
 
 /// The JSON form of a delivery: one line on standard output, or a command's input.
@@ -255,49 +367,137 @@ fn delivery_json(delivery: &Delivery) -> String {
     .to_string()
 }
 
-async fn handle(sink: &Sink, delivery: Delivery, counts: &Counts, broken: &CancellationToken) {
-    let line = delivery_json(&delivery);
-    let result = match sink {
-        Sink::Stdout => {
-            let written = {
-                let mut out = std::io::stdout().lock();
-                writeln!(out, "{line}").and_then(|()| out.flush())
-            };
-            if let Err(e) = written {
-                broken.cancel();
-                Err(format!("could not write to standard output: {e}"))
-            } else {
-                Ok(())
+/// Prints the deliveries one at a time, each acked once its line is written: only the
+/// delivery being printed is exposed to a failure of the output. Acks are written in the
+/// background while the next line is printed.
+async fn print_deliveries(mut subscription: Subscription, ctx: Arc<Ctx>) {
+    let Sink::Stdout { writer, timeout } = &ctx.sink else {
+        return;
+    };
+    let mut acks = FuturesUnordered::new();
+    loop {
+        let delivery = tokio::select! {
+            Some(()) = acks.next(), if !acks.is_empty() => continue,
+            next = subscription.next() => match next {
+                Some(delivery) => delivery,
+                None => break,
+            },
+        };
+        let line = delivery_json(&delivery);
+        let written = tokio::select! {
+            r = writer.write(line) => r.map_err(|e| {
+                if super::output::is_closed(&e) {
+                    failed("error: standard output was closed (its reader went away)")
+                } else {
+                    failed(format!("error: could not write to standard output: {e}"))
+                }
+            }),
+            () = tokio::time::sleep(*timeout) => Err(failed(format!(
+                "error: standard output took no line for {} (is anything reading it?)",
+                human_duration(*timeout)
+            ))),
+            () = ctx.deadline.cancelled() => {
+                give_back(&ctx, delivery, "pgbus stopped before printing it").await;
+                break;
+            }
+        };
+        match written {
+            Ok(()) => acks.push(ack(&ctx, delivery)),
+            Err(failure) => {
+                ctx.output_failed(failure);
+                give_back(&ctx, delivery, "pgbus could not print it").await;
+                break;
             }
         }
-        Sink::Exec { command, timeout } => run_command(command, *timeout, &delivery, &line).await,
+    }
+    // What the bus hands out from now on is not printed (it is stopping; until then it
+    // may still hand out one more): the stream ends once its buffer is released.
+    while let Some(delivery) = subscription.next().await {
+        give_back(&ctx, delivery, "pgbus stopped before printing it").await;
+    }
+    while acks.next().await.is_some() {}
+}
+
+/// Runs the command for one delivery, settles it by the command's exit status, then ends
+/// what the command left running.
+async fn exec_delivery(ctx: &Ctx, delivery: Delivery) {
+    let Sink::Exec { command, timeout } = &ctx.sink else {
+        return;
     };
-    let (id, attempt) = (delivery.event().id.clone(), delivery.attempt());
-    let settled = match result {
-        Ok(()) => {
-            counts.acked.fetch_add(1, Ordering::Relaxed);
-            delivery.ack().await
+    let line = delivery_json(&delivery);
+    let (result, group) = run_command(ctx, command, *timeout, &delivery, &line).await;
+    match result {
+        Ok(()) => ack(ctx, delivery).await,
+        Err(error) => fail(ctx, delivery, error).await,
+    }
+    if let Some(group) = group {
+        // Dropped at the deadline: the group is killed at once.
+        tokio::select! {
+            () = group.end(ctx.kill_grace) => {}
+            () = ctx.deadline.cancelled() => {}
         }
-        Err(error) => {
-            counts.failed.fetch_add(1, Ordering::Relaxed);
-            eprintln!("pgbus: event {id} attempt {attempt} failed: {error}");
-            delivery.fail(HandlerError::new(error)).await
-        }
-    };
-    if let Err(e) = settled {
-        eprintln!("pgbus: event {id} attempt {attempt}: {e}");
     }
 }
 
-/// Runs `command` with the event on standard input; an error is what to record.
+async fn ack(ctx: &Ctx, delivery: Delivery) {
+    let (id, attempt) = (delivery.event().id.clone(), delivery.attempt());
+    match delivery.ack().await {
+        Ok(()) => {
+            ctx.counts.acked.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(e) => eprintln!("pgbus: event {id} attempt {attempt}: could not ack: {e}"),
+    }
+}
+
+async fn fail(ctx: &Ctx, delivery: Delivery, error: String) {
+    let (id, attempt) = (delivery.event().id.clone(), delivery.attempt());
+    eprintln!("pgbus: event {id} attempt {attempt} failed: {error}");
+    match delivery.fail(HandlerError::new(error)).await {
+        Ok(()) => {
+            ctx.counts.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(e) => {
+            eprintln!("pgbus: event {id} attempt {attempt}: could not record the failure: {e}")
+        }
+    }
+}
+
+/// Gives a delivery back to the subscription because pgbus, not the event, failed.
+///
+/// The library releases without consuming an attempt only deliveries it never handed
+/// out; for one handed out the nearest is a failed attempt retried at once, which
+/// charges the attempt (and dead-letters the delivery if it was its last).
+async fn give_back(ctx: &Ctx, delivery: Delivery, reason: &str) {
+    let (id, attempt) = (delivery.event().id.clone(), delivery.attempt());
+    match delivery
+        .fail(HandlerError::retry_after(reason, Duration::ZERO))
+        .await
+    {
+        Ok(()) => {
+            ctx.counts.released.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(e) => eprintln!("pgbus: event {id} attempt {attempt}: could not give it back: {e}"),
+    }
+}
+
+/// How a command's run ended.
+enum End {
+    Exited(std::io::Result<ExitStatus>),
+    TimedOut(Duration),
+    Deadline,
+}
+
+/// Runs `command` with the event on standard input. Returns the verdict (an error is
+/// what to record) and the command's process group, still to be ended.
 async fn run_command(
+    ctx: &Ctx,
     command: &str,
     timeout: Option<Duration>,
     delivery: &Delivery,
     input: &str,
-) -> Result<(), String> {
+) -> (Result<(), String>, Option<Group>) {
     let event = delivery.event();
-    let mut child = tokio::process::Command::new("sh")
+    let spawned = tokio::process::Command::new("sh")
         .arg("-c")
         .arg(command)
         .env("PGBUS_SUBSCRIPTION", delivery.subscription())
@@ -308,60 +508,109 @@ async fn run_command(
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped())
         // Its own process group: a Ctrl-C at the terminal stops pgbus gracefully and
-        // lets the command finish, instead of killing it mid-delivery.
+        // lets the command finish, instead of killing it mid-delivery; and pgbus can
+        // signal the command with everything it started.
         .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("could not start sh: {e}"))?;
-    let mut stdin = child.stdin.take();
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => return (Err(format!("could not start sh: {e}")), None),
+    };
+    // From here on, the group is killed if this future is dropped.
+    let group = Group::led_by(child.id());
+    let stdin = child.stdin.take();
     let mut stderr = child.stderr.take();
-    let feed = async {
-        if let Some(stdin) = stdin.as_mut() {
-            // A command that does not read its input closes the pipe: not an error.
-            let _ = stdin.write_all(input.as_bytes()).await;
-            let _ = stdin.write_all(b"\n").await;
-        }
-        drop(stdin);
-    };
-    let tail = async {
-        let mut tail = Vec::new();
-        if let Some(stderr) = stderr.as_mut() {
-            let mut buf = [0u8; 4096];
-            while let Ok(n @ 1..) = stderr.read(&mut buf).await {
-                tail.extend_from_slice(&buf[..n]);
-                if tail.len() > STDERR_TAIL_BYTES {
-                    tail.drain(..tail.len() - STDERR_TAIL_BYTES);
+    let mut tail = Vec::new();
+    let end = {
+        let feed = feed(stdin, input);
+        let reading = read_tail(stderr.as_mut(), &mut tail);
+        let exited = child.wait();
+        let limit = async {
+            match timeout {
+                Some(limit) => {
+                    tokio::time::sleep(limit).await;
+                    limit
                 }
+                None => std::future::pending().await,
             }
+        };
+        tokio::pin!(feed, reading, exited, limit);
+        let (mut fed, mut read) = (false, false);
+        let end = loop {
+            tokio::select! {
+                status = &mut exited => break End::Exited(status),
+                () = &mut feed, if !fed => fed = true,
+                () = &mut reading, if !read => read = true,
+                limit = &mut limit => break End::TimedOut(limit),
+                () = ctx.deadline.cancelled() => break End::Deadline,
+            }
+        };
+        if matches!(end, End::Exited(_)) && !read {
+            // Standard error still open after the exit: a background child holds it.
+            let _ = tokio::time::timeout(OUTPUT_GRACE, &mut reading).await;
         }
-        tail
+        end
+        // The input not yet written is dropped here, closing the pipe.
     };
-    let group = child.id();
-    let run = async {
-        let (_, tail, status) = tokio::join!(feed, tail, child.wait());
-        (tail, status)
-    };
-    let (tail, status) = match timeout {
-        Some(limit) => match tokio::time::timeout(limit, run).await {
-            Ok(done) => done,
-            Err(_) => {
-                // The whole process group: the shell and whatever it started.
-                if let Some(group) = group {
-                    let _ = tokio::process::Command::new("kill")
-                        .args(["-KILL", "--", &format!("-{group}")])
-                        .status()
-                        .await;
-                }
-                return Err(format!("command timed out after {limit:?}"));
-            }
+    let result = match end {
+        End::Exited(status) => verdict(status, &tail),
+        End::TimedOut(limit) => {
+            stop(&mut child, &group, ctx.kill_grace).await;
+            Err(format!("command timed out after {}", human_duration(limit)))
+        }
+        End::Deadline => match stop(&mut child, &group, ctx.kill_grace).await {
+            Some(status) if status.success() => Ok(()),
+            Some(status) => Err(format!(
+                "command stopped at the shutdown deadline ({status})"
+            )),
+            None => Err("command killed at the shutdown deadline".to_string()),
         },
-        None => run.await,
     };
+    (result, Some(group))
+}
+
+/// Writes the event to the command's standard input and closes it.
+async fn feed(stdin: Option<ChildStdin>, input: &str) {
+    if let Some(mut stdin) = stdin {
+        // A command that does not read its input closes the pipe: not an error.
+        let _ = stdin.write_all(input.as_bytes()).await;
+        let _ = stdin.write_all(b"\n").await;
+    }
+}
+
+/// Reads the command's standard error to its end, keeping the last bytes in `tail`.
+async fn read_tail(stderr: Option<&mut ChildStderr>, tail: &mut Vec<u8>) {
+    if let Some(stderr) = stderr {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = stderr.read(&mut buf).await {
+            tail.extend_from_slice(&buf[..n]);
+            if tail.len() > STDERR_TAIL_BYTES {
+                tail.drain(..tail.len() - STDERR_TAIL_BYTES);
+            }
+        }
+    }
+}
+
+/// Stops a command still running: SIGTERM to its group, up to `grace` for the shell to
+/// exit, then SIGKILL to the group. Returns the shell's status if it exited by itself.
+async fn stop(child: &mut Child, group: &Group, grace: Duration) -> Option<ExitStatus> {
+    group.signal(Signal::TERM);
+    if let Ok(Ok(status)) = tokio::time::timeout(grace, child.wait()).await {
+        return Some(status);
+    }
+    group.signal(Signal::KILL);
+    // SIGKILL cannot be refused: the shell is reaped at once (bounded all the same).
+    let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+    None
+}
+
+/// Exit 0 acks; anything else fails the attempt with the end of standard error.
+fn verdict(status: std::io::Result<ExitStatus>, tail: &[u8]) -> Result<(), String> {
     let status = status.map_err(|e| format!("could not wait for the command: {e}"))?;
     if status.success() {
         return Ok(());
     }
-    let tail = String::from_utf8_lossy(&tail);
+    let tail = String::from_utf8_lossy(tail);
     let tail = tail.trim();
     Err(if tail.is_empty() {
         format!("command failed ({status})")

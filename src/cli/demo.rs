@@ -260,7 +260,7 @@ async fn demo(args: &DemoArgs, config: &tokio_postgres::Config) -> Result<(), Fa
     if live {
         redraw(&view, drawn);
     } else {
-        print!("{view}");
+        out!("{view}")?;
     }
     outcome
 }

@@ -60,9 +60,9 @@ pub(crate) async fn keys(command: KeysCommand, url: Option<&str>) -> Result<(), 
                         })
                     })
                     .collect();
-                print_json(&json!(items));
+                print_json(&json!(items))?;
             } else if blocked.is_empty() {
-                println!("no blocked keys");
+                outln!("no blocked keys")?;
             } else {
                 let rows: Vec<Vec<String>> = blocked
                     .iter()
@@ -78,7 +78,7 @@ pub(crate) async fn keys(command: KeysCommand, url: Option<&str>) -> Result<(), 
                         ]
                     })
                     .collect();
-                print!(
+                out!(
                     "{}",
                     table(
                         &[
@@ -92,13 +92,13 @@ pub(crate) async fn keys(command: KeysCommand, url: Option<&str>) -> Result<(), 
                         ],
                         &rows
                     )
-                );
+                )?;
             }
             Ok(())
         }
         KeysCommand::Redrive { subscription, key } => {
             if pgbus::ordering::redrive_head(&client, &subscription, &key).await? {
-                println!("redriven: {subscription} {key}");
+                outln!("redriven: {subscription} {key}")?;
                 Ok(())
             } else {
                 Err(super::failed(format!(
@@ -108,7 +108,7 @@ pub(crate) async fn keys(command: KeysCommand, url: Option<&str>) -> Result<(), 
         }
         KeysCommand::Skip { subscription, key } => {
             if pgbus::ordering::skip_head(&client, &subscription, &key).await? {
-                println!("skipped: {subscription} {key}");
+                outln!("skipped: {subscription} {key}")?;
                 Ok(())
             } else {
                 Err(super::failed(format!(

@@ -1,9 +1,13 @@
 //! The commands of the `pgbus` binary, one module each, and what they share: the
 //! database connection, errors and exit codes, durations and times, and output.
 
+#[macro_use]
+pub(crate) mod output;
+
 pub(crate) mod admin;
 pub(crate) mod consume;
 pub(crate) mod demo;
+mod group;
 pub(crate) mod keys;
 pub(crate) mod publish;
 pub(crate) mod status;
@@ -13,7 +17,8 @@ use std::time::Duration;
 use chrono::{DateTime, NaiveDate, Utc};
 
 /// An error that ends the command, with its exit code: 2 for bad usage or input (nothing
-/// was done), 1 for everything else.
+/// was done), 1 for everything else; 0 with no message for a reader of standard output
+/// that went away (see [`output`]).
 #[derive(Debug)]
 pub(crate) struct Failure {
     pub(crate) message: String,
@@ -273,24 +278,49 @@ pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
 }
 
 /// Prints one JSON value on one line.
-pub(crate) fn print_json(value: &serde_json::Value) {
-    println!("{value}");
+pub(crate) fn print_json(value: &serde_json::Value) -> Result<(), Failure> {
+    outln!("{value}")
 }
 
-/// Catches SIGINT and SIGTERM from now on; the future completes at the first of them.
-/// (Registered before it is awaited, so a signal sent as soon as a command says it is
-/// ready is never lost to the default action.)
-pub(crate) fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, Failure> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut interrupt = signal(SignalKind::interrupt())
-        .map_err(|e| failed(format!("error: cannot catch SIGINT: {e}")))?;
-    let mut terminate = signal(SignalKind::terminate())
-        .map_err(|e| failed(format!("error: cannot catch SIGTERM: {e}")))?;
-    Ok(async move {
+/// The signals that stop a long-running command gracefully, caught from the moment this
+/// returns (so a signal sent as soon as the command says it is ready is never lost to
+/// the default action): SIGINT, SIGTERM and SIGHUP (a closed terminal or a supervisor's
+/// reload both mean "stop cleanly", never "die mid-delivery").
+#[derive(Debug)]
+pub(crate) struct StopSignals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+    hangup: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    pub(crate) fn catch() -> Result<StopSignals, Failure> {
+        use tokio::signal::unix::{SignalKind, signal};
+        let catch = |kind: SignalKind, name: &str| {
+            signal(kind).map_err(|e| failed(format!("error: cannot catch {name}: {e}")))
+        };
+        Ok(StopSignals {
+            interrupt: catch(SignalKind::interrupt(), "SIGINT")?,
+            terminate: catch(SignalKind::terminate(), "SIGTERM")?,
+            hangup: catch(SignalKind::hangup(), "SIGHUP")?,
+        })
+    }
+
+    /// Completes at the next of them; returns its name.
+    pub(crate) async fn recv(&mut self) -> &'static str {
         tokio::select! {
-            _ = interrupt.recv() => {}
-            _ = terminate.recv() => {}
+            _ = self.interrupt.recv() => "SIGINT",
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.hangup.recv() => "SIGHUP",
         }
+    }
+}
+
+/// Catches the stop signals from now on; the future completes at the first of them.
+pub(crate) fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, Failure> {
+    let mut signals = StopSignals::catch()?;
+    Ok(async move {
+        signals.recv().await;
     })
 }
 

@@ -149,28 +149,53 @@ pub(crate) async fn run(args: PublishArgs, url: Option<&str>) -> Result<(), Fail
     {
         let outcome = pgbus::publish(&client, event).await?;
         let inserted = outcome == Published::Inserted;
-        if args.json {
-            print_json(&json!({"id": event.id, "inserted": inserted}));
+        let printed = if args.json {
+            print_json(&json!({"id": event.id, "inserted": inserted}))
         } else {
-            println!("{}", event.id);
-            if !inserted {
-                eprintln!(
-                    "pgbus: event {} was already published: nothing written",
-                    event.id
-                );
-            }
+            outln!("{}", event.id)
+        };
+        if !inserted {
+            eprintln!(
+                "pgbus: event {} was already published: nothing written",
+                event.id
+            );
         }
-        return Ok(());
+        return printed.map_err(|f| committed(f, &[event.id.as_str()], u64::from(inserted), 0));
     }
     // One statement: every line is published, or none.
     let inserted = pgbus::publish_batch(&client, &events).await?;
     let ids: Vec<&str> = events.iter().map(|e| e.id.as_str()).collect();
     if args.json {
-        print_json(&json!({"ids": ids, "inserted": inserted}));
-    } else {
-        for id in ids {
-            println!("{id}");
-        }
+        return print_json(&json!({"ids": ids, "inserted": inserted}))
+            .map_err(|f| committed(f, &ids, inserted, 0));
+    }
+    for (printed, id) in ids.iter().enumerate() {
+        outln!("{id}").map_err(|f| committed(f, &ids, inserted, printed))?;
     }
     Ok(())
+}
+
+/// The failure to print after the events were committed: says on standard error what
+/// was published (so that nobody publishes it again), keeping the exit code of the
+/// output failure (0 for a reader that went away, 1 otherwise).
+fn committed(failure: Failure, ids: &[&str], inserted: u64, printed: usize) -> Failure {
+    let unprinted = ids.len() - printed;
+    let mut message = format!(
+        "pgbus: published and committed {} event{} ({inserted} new); standard output {} \
+         before {unprinted} of their ids were printed: do not publish them again",
+        ids.len(),
+        if ids.len() == 1 { "" } else { "s" },
+        if failure.code == 0 {
+            "was closed".to_string()
+        } else {
+            format!("failed ({})", failure.message.trim_start_matches("error: "))
+        },
+    );
+    if let (Some(first), Some(last)) = (ids.get(printed), ids.last()) {
+        message.push_str(&format!("\npgbus: the ids not printed: {first} to {last}"));
+    }
+    Failure {
+        message,
+        code: failure.code,
+    }
 }

@@ -1,13 +1,14 @@
 //! `pgbus status`: the state of every subscription, once or refreshed in place.
 
 use std::collections::HashMap;
-use std::io::{IsTerminal as _, Write as _};
+use std::fmt::Write as _;
+use std::io::IsTerminal as _;
 use std::time::Duration;
 
 use pgbus::admin::{self, Status};
 use serde_json::json;
 
-use super::{Failure, human_duration, parse_duration, print_json, table};
+use super::{Failure, human_duration, parse_duration, table};
 
 /// Arguments of `pgbus status`.
 #[derive(Debug, clap::Args)]
@@ -40,8 +41,7 @@ pub(crate) async fn run(args: StatusArgs, url: Option<&str>) -> Result<(), Failu
     let client = super::connect_url(url).await?;
     if !args.watch {
         let status = read(&client, args.subscription.as_deref()).await?;
-        show(&status, args.json);
-        return Ok(());
+        return out!("{}", show(&status, args.json));
     }
     let in_place = !args.json && std::io::stdout().is_terminal();
     let mut tick = tokio::time::interval(args.interval.max(Duration::from_millis(100)));
@@ -53,12 +53,19 @@ pub(crate) async fn run(args: StatusArgs, url: Option<&str>) -> Result<(), Failu
             _ = tick.tick() => {}
         }
         let status = read(&client, args.subscription.as_deref()).await?;
+        let mut view = show(&status, args.json);
         if in_place {
             // Home, clear: the view is redrawn in place.
-            print!("\x1b[H\x1b[2J");
+            view.insert_str(0, "\x1b[H\x1b[2J");
         }
-        show(&status, args.json);
-        let _ = std::io::stdout().flush();
+        // Written off the runtime's threads: a reader that stops reading blocks that
+        // write, never the signals (the blocked thread is left behind at exit).
+        let write = tokio::task::spawn_blocking(move || out!("{view}"));
+        tokio::select! {
+            () = &mut stop => return Ok(()),
+            written = write => written
+                .map_err(|e| super::failed(format!("error: writing standard output: {e}")))??,
+        }
     }
 }
 
@@ -78,7 +85,8 @@ async fn read(client: &tokio_postgres::Client, only: Option<&str>) -> Result<Rea
     Ok((status, blocked))
 }
 
-fn show((status, blocked): &Read, as_json: bool) {
+/// The status as printed: a table, or one line of JSON.
+fn show((status, blocked): &Read, as_json: bool) -> String {
     let blocked_of = |name: &str| blocked.get(name).copied().unwrap_or(0);
     if as_json {
         let subs: Vec<_> = status
@@ -100,15 +108,16 @@ fn show((status, blocked): &Read, as_json: bool) {
                 })
             })
             .collect();
-        print_json(&json!({
+        let value = json!({
             "subscriptions": subs,
             "notification_queue_usage": status.notification_queue_usage,
             "listeners": status.listeners,
             "consumers": status.consumers,
             "sleeping_consumers": status.sleeping_consumers,
-        }));
-        return;
+        });
+        return format!("{value}\n");
     }
+    let mut text = String::new();
     let rows: Vec<Vec<String>> = status
         .subscriptions
         .iter()
@@ -127,27 +136,27 @@ fn show((status, blocked): &Read, as_json: bool) {
         })
         .collect();
     if rows.is_empty() {
-        println!("no subscriptions yet (a consumer registers its subscription when it starts)");
-    } else {
-        print!(
-            "{}",
-            table(
-                &[
-                    "SUBSCRIPTION",
-                    "PENDING",
-                    "DUE",
-                    "PROCESSING",
-                    "DEAD",
-                    "BLOCKED",
-                    "LAG",
-                    "DONE/1M",
-                    "CONSUMERS",
-                ],
-                &rows,
-            )
+        text.push_str(
+            "no subscriptions yet (a consumer registers its subscription when it starts)\n",
         );
+    } else {
+        text.push_str(&table(
+            &[
+                "SUBSCRIPTION",
+                "PENDING",
+                "DUE",
+                "PROCESSING",
+                "DEAD",
+                "BLOCKED",
+                "LAG",
+                "DONE/1M",
+                "CONSUMERS",
+            ],
+            &rows,
+        ));
     }
-    println!(
+    let _ = writeln!(
+        text,
         "notification queue {:.1}% used, {} listener{}, {} consumer{} ({} asleep)",
         status.notification_queue_usage * 100.0,
         status.listeners,
@@ -156,6 +165,7 @@ fn show((status, blocked): &Read, as_json: bool) {
         plural(status.consumers),
         status.sleeping_consumers,
     );
+    text
 }
 
 fn plural(n: i64) -> &'static str {

@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -100,6 +101,55 @@ pub async fn wait_settled(client: &tokio_postgres::Client, what: &str) {
 pub struct Consumer {
     child: Child,
     lines: mpsc::UnboundedReceiver<String>,
+    stderr: Stderr,
+}
+
+/// What a running process wrote on standard error so far (each line is also echoed to
+/// the test's output).
+#[derive(Clone, Default)]
+pub struct Stderr(Arc<Mutex<(Vec<String>, bool)>>);
+
+impl Stderr {
+    pub fn text(&self) -> String {
+        self.0.lock().unwrap().0.join("\n")
+    }
+
+    /// Waits until standard error is closed (the process and all it started are gone),
+    /// then returns all of it.
+    pub async fn all(&self) -> String {
+        common::wait_for("standard error to close", WAIT, || {
+            let ended = self.0.lock().unwrap().1;
+            async move { ended }
+        })
+        .await;
+        self.text()
+    }
+}
+
+/// Spawns `cmd` (a `pgbus consume` with standard error not yet set) and waits until it
+/// says it is consuming. Its standard output is left as the caller set it.
+pub async fn start_consume(mut cmd: Command) -> (Child, Stderr) {
+    cmd.stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawning pgbus consume");
+    let (ready_tx, mut ready) = mpsc::unbounded_channel();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let stderr = Stderr::default();
+    let kept = stderr.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            eprintln!("[consume] {line}");
+            let ready = line.starts_with("pgbus: consuming");
+            kept.0.lock().unwrap().0.push(line);
+            if ready {
+                let _ = ready_tx.send(());
+            }
+        }
+        kept.0.lock().unwrap().1 = true;
+    });
+    common::within("consume to start", WAIT, ready.recv())
+        .await
+        .expect("consume exited before it was ready");
+    (child, stderr)
 }
 
 impl Consumer {
@@ -114,14 +164,11 @@ impl Consumer {
         dir: Option<&std::path::Path>,
     ) -> Self {
         let mut cmd = pgbus_on(db);
-        cmd.arg("consume")
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        cmd.arg("consume").args(args).stdout(Stdio::piped());
         if let Some(dir) = dir {
             cmd.current_dir(dir);
         }
-        let mut child = cmd.spawn().expect("spawning pgbus consume");
+        let (mut child, stderr) = start_consume(cmd).await;
         let (tx, lines) = mpsc::unbounded_channel();
         let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
         tokio::spawn(async move {
@@ -131,20 +178,26 @@ impl Consumer {
                 }
             }
         });
-        let (ready_tx, mut ready) = mpsc::unbounded_channel();
-        let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
-        tokio::spawn(async move {
-            while let Ok(Some(line)) = stderr.next_line().await {
-                eprintln!("[consume] {line}");
-                if line.starts_with("pgbus: consuming") {
-                    let _ = ready_tx.send(());
-                }
-            }
-        });
-        common::within("consume to start", WAIT, ready.recv())
+        Consumer {
+            child,
+            lines,
+            stderr,
+        }
+    }
+
+    /// What it wrote on standard error so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.text()
+    }
+
+    /// Sends `signal` (TERM, INT, HUP...) and waits, at most `within`, for the exit
+    /// code; returns it with everything written on standard error.
+    pub async fn stop_with(mut self, signal_name: &str, within: Duration) -> (i32, String) {
+        signal(self.pid(), signal_name).await;
+        let status = common::within("consume to stop", within, self.child.wait())
             .await
-            .expect("consume exited before it was ready");
-        Consumer { child, lines }
+            .unwrap();
+        (status.code().unwrap_or(-1), self.stderr.all().await)
     }
 
     pub fn pid(&self) -> u32 {

@@ -1,0 +1,499 @@
+//! `pgbus consume` and the processes around it, all real: the commands it runs (and what
+//! they leave running), the signals that stop it, and a standard output that blocks,
+//! fails or closes. Afterwards nothing it started is running, no delivery is acked
+//! without its command having exited 0, and none is dead-lettered for pgbus's own
+//! failures.
+
+mod common;
+mod proc;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use proc::{Consumer, WAIT, count, pgbus_on, run_with, scratch, signal, start_consume};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+
+/// How long a consumer told to stop may take here: its 1 s shutdown deadline, the 1 s
+/// grace of the commands it stops, and slack for a loaded machine.
+const STOPS_WITHIN: Duration = Duration::from_secs(15);
+
+/// Whether `pid` runs (a zombie does not: it runs nothing, and the orphans' zombies stay
+/// where init does not reap them).
+fn running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        let state = stat[stat.rfind(')').unwrap() + 1..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string();
+        state != "Z" && state != "X"
+    })
+}
+
+/// The pids a command wrote to `file` in `dir`, one per line.
+fn pids(dir: &Path, file: &str) -> Vec<i32> {
+    std::fs::read_to_string(dir.join(file))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect()
+}
+
+/// Waits for `n` pids in `file`.
+async fn wait_pids(dir: &Path, file: &str, n: usize) -> Vec<i32> {
+    common::wait_for(&format!("{n} pids in {file}"), WAIT, || async {
+        pids(dir, file).len() >= n
+    })
+    .await;
+    pids(dir, file)
+}
+
+/// Waits until none of `pids` runs.
+async fn wait_all_ended(pids: &[i32]) {
+    common::wait_for(&format!("{pids:?} to end"), WAIT, || async {
+        !pids.iter().any(|&p| running(p))
+    })
+    .await;
+}
+
+/// Asserts none of `pids` runs now.
+fn assert_none_running(pids: &[i32], when: &str) {
+    for &pid in pids {
+        assert!(!running(pid), "{when}: process {pid} still runs");
+    }
+}
+
+async fn publish(db: &common::TestDb, name: &str, n: usize, payload: &str) {
+    let input: String = (0..n)
+        .map(|i| format!("{{\"i\": {i}{payload}}}\n"))
+        .collect();
+    run_with(
+        pgbus_on(db),
+        &["publish", name, "-", "--lines"],
+        Some(&input),
+    )
+    .await
+    .ok();
+}
+
+/// Rows of pgbus.deliveries by status, and the attempts they carry: (status, n, attempts).
+async fn deliveries(client: &tokio_postgres::Client) -> Vec<(String, i64, i64)> {
+    client
+        .query(
+            "SELECT status, count(*), sum(attempts)::int8 FROM pgbus.deliveries \
+             GROUP BY status ORDER BY status",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+async fn dead(client: &tokio_postgres::Client) -> i64 {
+    count(
+        client,
+        "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead'",
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_background_child_neither_holds_the_delivery_nor_outlives_the_command() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let dir = scratch("background");
+    // The child holds the command's standard error (and pgbus's standard output) open
+    // for 30 s; the command itself exits 0 at once.
+    let consumer = Consumer::start_in(
+        &db,
+        &[
+            "-s",
+            "bg",
+            "-p",
+            "bg.*",
+            "--timeout",
+            "10s",
+            "--kill-grace",
+            "1s",
+            "--exec",
+            "cat > /dev/null; sleep 30 & echo $! >> bg.pids; echo \"$PGBUS_EVENT_ID\" >> done.txt",
+        ],
+        Some(&dir),
+    )
+    .await;
+    let started = std::time::Instant::now();
+    publish(&db, "bg.job", 3, "").await;
+    proc::wait_settled(&client, "the three deliveries to be acked").await;
+    // Held by the children's 30 s (or the 10 s timeout), it would take that long.
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "acked after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pgbus.delivery_failures").await,
+        0,
+        "no attempt failed"
+    );
+    let children = wait_pids(&dir, "bg.pids", 3).await;
+    wait_all_ended(&children).await;
+    let (code, stderr) = consumer.stop_with("TERM", STOPS_WITHIN).await;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("3 acked"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_command_past_its_timeout_is_stopped_with_its_whole_group_even_ignoring_sigterm() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let dir = scratch("timeout");
+    let consumer = Consumer::start_in(
+        &db,
+        &[
+            "-s",
+            "slow",
+            "-p",
+            "slow.*",
+            "--max-attempts",
+            "1",
+            "--timeout",
+            "1s",
+            "--kill-grace",
+            "1s",
+            "--exec",
+            "cat > /dev/null; trap '' TERM; echo $$ >> pids; sleep 30 & echo $! >> pids; \
+             sleep 30; echo late >> done.txt",
+        ],
+        Some(&dir),
+    )
+    .await;
+    publish(&db, "slow.job", 1, "").await;
+    let group = wait_pids(&dir, "pids", 2).await;
+    proc::wait_count(
+        &client,
+        "the timed-out delivery to be dead",
+        "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead'",
+        1,
+    )
+    .await;
+    let error: String = client
+        .query_one("SELECT error FROM pgbus.delivery_failures", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(error.contains("timed out after 1.0s"), "{error}");
+    // SIGTERM was ignored: SIGKILL after the grace ended the shell and its child.
+    wait_all_ended(&group).await;
+    assert!(!dir.join("done.txt").exists());
+    let (code, stderr) = consumer.stop_with("TERM", STOPS_WITHIN).await;
+    assert_eq!(code, 0, "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A command that outlives the shutdown deadline, ignoring SIGTERM, with a background
+/// child: pgbus stopped by `signal_name` ends the whole group, exits 0, and the delivery
+/// is a failed attempt, pending again, never acked.
+async fn stopped_at_the_deadline_by(signal_name: &str) {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let dir = scratch(&format!("deadline-{signal_name}"));
+    let consumer = Consumer::start_in(
+        &db,
+        &[
+            "-s",
+            "stuck",
+            "-p",
+            "stuck.*",
+            "--shutdown-timeout",
+            "1s",
+            "--kill-grace",
+            "1s",
+            "--exec",
+            "cat > /dev/null; trap '' TERM; echo $$ >> pids; sleep 30 & echo $! >> pids; \
+             sleep 30; echo \"$PGBUS_EVENT_ID\" >> done.txt",
+        ],
+        Some(&dir),
+    )
+    .await;
+    publish(&db, "stuck.job", 1, "").await;
+    let group = wait_pids(&dir, "pids", 2).await;
+    let (code, stderr) = consumer.stop_with(signal_name, STOPS_WITHIN).await;
+    assert_eq!(code, 0, "SIG{signal_name}: {stderr}");
+    assert_none_running(&group, &format!("after SIG{signal_name}"));
+    assert!(!dir.join("done.txt").exists());
+    assert_eq!(
+        deliveries(&client).await,
+        vec![("pending".to_string(), 1, 1)],
+        "SIG{signal_name}: {stderr}"
+    );
+    let error: String = client
+        .query_one("SELECT error FROM pgbus.delivery_failures", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(error.contains("shutdown deadline"), "{error}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn sigterm_at_the_deadline_ends_the_commands_whole_group() {
+    stopped_at_the_deadline_by("TERM").await;
+}
+
+#[tokio::test]
+async fn sigint_at_the_deadline_ends_the_commands_whole_group() {
+    stopped_at_the_deadline_by("INT").await;
+}
+
+#[tokio::test]
+async fn sighup_stops_gracefully_and_ends_the_commands_whole_group() {
+    stopped_at_the_deadline_by("HUP").await;
+}
+
+#[tokio::test]
+async fn a_command_that_exits_0_when_told_to_stop_is_acked() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let dir = scratch("term-ok");
+    let consumer = Consumer::start_in(
+        &db,
+        &[
+            "-s",
+            "polite",
+            "-p",
+            "polite.*",
+            "--shutdown-timeout",
+            "1s",
+            "--kill-grace",
+            "5s",
+            "--exec",
+            "cat > /dev/null; trap 'echo done >> done.txt; exit 0' TERM; echo $$ >> pids; \
+             sleep 30 & wait",
+        ],
+        Some(&dir),
+    )
+    .await;
+    publish(&db, "polite.job", 1, "").await;
+    let group = wait_pids(&dir, "pids", 1).await;
+    let (code, stderr) = consumer.stop_with("TERM", STOPS_WITHIN).await;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(dir.join("done.txt").exists());
+    assert_eq!(deliveries(&client).await, vec![], "acked: {stderr}");
+    assert_none_running(&group, "after the stop");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Payload padding that makes 40 lines overflow a pipe's 64 KiB buffer.
+fn padding() -> String {
+    format!(", \"pad\": \"{}\"", "x".repeat(4000))
+}
+
+/// Whether a thread of `pid` is blocked writing to a full pipe.
+fn blocked_writing(pid: u32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks.flatten().any(|task| {
+                std::fs::read_to_string(task.path().join("wchan"))
+                    .is_ok_and(|w| w.contains("pipe_write") || w.contains("pipe_wait"))
+            })
+        })
+        .unwrap_or(false)
+}
+
+/// Whether every event acked was printed whole in `printed` (what the pipe received).
+async fn acked_were_printed(client: &tokio_postgres::Client, printed: &str) {
+    let lines: Vec<&str> = printed.lines().collect();
+    let acked = client
+        .query(
+            "SELECT e.id FROM pgbus.events e WHERE NOT EXISTS \
+             (SELECT 1 FROM pgbus.deliveries d WHERE d.event_seq = e.seq)",
+            &[],
+        )
+        .await
+        .unwrap();
+    for row in acked {
+        let id: String = row.get(0);
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.ends_with('}') && l.contains(&format!("\"id\":\"{id}\""))),
+            "{id} acked but never printed whole"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_stdout_nobody_reads_does_not_keep_signals_from_stopping_consume() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut cmd = pgbus_on(&db);
+    cmd.args([
+        "consume",
+        "-s",
+        "blocked",
+        "-p",
+        "blocked.*",
+        "--shutdown-timeout",
+        "1s",
+    ])
+    .stdout(Stdio::piped());
+    let (mut child, stderr) = start_consume(cmd).await;
+    // Held, never read (until the end).
+    let mut stdout = child.stdout.take().unwrap();
+    publish(&db, "blocked.job", 40, &padding()).await;
+    // Some lines fill the pipe; then a write blocks, with deliveries left.
+    let pid = child.id().unwrap();
+    common::wait_for("consume to block writing its output", WAIT, || async {
+        blocked_writing(pid)
+    })
+    .await;
+    signal(pid, "TERM").await;
+    let status = common::within("consume to stop", STOPS_WITHIN, child.wait())
+        .await
+        .unwrap();
+    let stderr = stderr.all().await;
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    let mut printed = String::new();
+    common::within(
+        "the pipe's content",
+        WAIT,
+        stdout.read_to_string(&mut printed),
+    )
+    .await
+    .unwrap();
+    acked_were_printed(&client, &printed).await;
+    assert_eq!(dead(&client).await, 0, "{stderr}");
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status <> 'pending'"
+        )
+        .await,
+        0,
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_stdout_that_takes_nothing_for_the_output_timeout_stops_consume_with_exit_1() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut cmd = pgbus_on(&db);
+    cmd.args([
+        "consume",
+        "-s",
+        "stalled",
+        "-p",
+        "stalled.*",
+        "--output-timeout",
+        "1s",
+        "--shutdown-timeout",
+        "1s",
+    ])
+    .stdout(Stdio::piped());
+    let (mut child, stderr) = start_consume(cmd).await;
+    let mut stdout = child.stdout.take().unwrap();
+    publish(&db, "stalled.job", 40, &padding()).await;
+    // No signal: it stops by itself.
+    let status = common::within("consume to give up", STOPS_WITHIN, child.wait())
+        .await
+        .unwrap();
+    let stderr = stderr.all().await;
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("standard output took no line for"),
+        "{stderr}"
+    );
+    let mut printed = String::new();
+    common::within(
+        "the pipe's content",
+        WAIT,
+        stdout.read_to_string(&mut printed),
+    )
+    .await
+    .unwrap();
+    acked_were_printed(&client, &printed).await;
+    assert_eq!(dead(&client).await, 0, "{stderr}");
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status <> 'pending'"
+        )
+        .await,
+        0,
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_full_stdout_stops_consume_with_exit_1_and_dead_letters_nothing() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut cmd = pgbus_on(&db);
+    cmd.args(["consume", "-s", "full", "-p", "full.*"])
+        .stdout(std::fs::File::create("/dev/full").unwrap());
+    let (mut child, stderr) = start_consume(cmd).await;
+    publish(&db, "full.job", 5, "").await;
+    let status = common::within("consume to stop", STOPS_WITHIN, child.wait())
+        .await
+        .unwrap();
+    let stderr = stderr.all().await;
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("could not write to standard output"),
+        "{stderr}"
+    );
+    assert_eq!(dead(&client).await, 0, "{stderr}");
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'full' \
+             AND status = 'pending'"
+        )
+        .await,
+        5,
+        "nothing acked, nothing left processing: {stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_reader_that_goes_away_stops_consume_with_exit_1_and_dead_letters_nothing() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut cmd = pgbus_on(&db);
+    cmd.args(["consume", "-s", "head", "-p", "head.*"])
+        .stdout(Stdio::piped());
+    let (mut child, stderr) = start_consume(cmd).await;
+    let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+    publish(&db, "head.job", 20, "").await;
+    // `| head -1`: one line read, then the pipe is closed.
+    let first = common::within("a first line", WAIT, stdout.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    drop(stdout);
+    let status = common::within("consume to stop", STOPS_WITHIN, child.wait())
+        .await
+        .unwrap();
+    let stderr = stderr.all().await;
+    assert_eq!(status.code(), Some(1), "{first}\n{stderr}");
+    assert!(stderr.contains("standard output was closed"), "{stderr}");
+    assert_eq!(dead(&client).await, 0, "{stderr}");
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status <> 'pending'"
+        )
+        .await,
+        0,
+        "{stderr}"
+    );
+    assert!(
+        count(&client, "SELECT count(*) FROM pgbus.deliveries").await > 0,
+        "lines not written stay pending: {stderr}"
+    );
+}
