@@ -368,12 +368,17 @@ async fn a_backing_off_key_waits_alone_and_resumes_in_order_after_a_redrive() {
     running.shutdown().await.unwrap();
 }
 
+/// Handler starts, in the order they happened: the payload's `n`.
+type Seen = Arc<Mutex<Vec<i64>>>;
+
+/// Key "order:7" gets n = 0..4, its n = 1 failing permanently; key "order:8" gets n = 100.
+/// Returns once the dead letter exists and key 8 has run.
 async fn dead_head_case(
     policy: DeadHeadPolicy,
-) -> (Vec<i64>, tokio_postgres::Client, common::TestDb, RunningBus) {
+) -> (Seen, tokio_postgres::Client, common::TestDb, RunningBus) {
     let db = common::test_db().await;
     let client = db.connect().await;
-    let seen: Arc<Mutex<Vec<i64>>> = Default::default();
+    let seen: Seen = Default::default();
     let s = seen.clone();
     let running = Bus::builder(db.config())
         .handler_fn_with("o", ["*"], ordered().on_dead(policy), move |e| {
@@ -415,13 +420,24 @@ async fn dead_head_case(
         seen.lock().unwrap().contains(&100)
     })
     .await;
-    let seen_now = seen.lock().unwrap().clone();
-    (seen_now, client, db, running)
+    (seen, client, db, running)
+}
+
+/// The starts of key "order:7", in order.
+fn key_7_runs(seen: &Seen) -> Vec<i64> {
+    seen.lock()
+        .unwrap()
+        .iter()
+        .copied()
+        .filter(|n| *n < 100)
+        .collect()
 }
 
 #[tokio::test]
 async fn a_dead_head_blocks_only_its_key_until_skipped() {
-    let (_, client, _db, running) = dead_head_case(DeadHeadPolicy::Block).await;
+    let (seen, client, _db, running) = dead_head_case(DeadHeadPolicy::Block).await;
+    // Nothing of the key ran past its dead head.
+    assert_eq!(key_7_runs(&seen), vec![0, 1]);
     let blocked = pgbus::ordering::blocked_keys(&client, Some("o"))
         .await
         .unwrap();
@@ -447,6 +463,9 @@ async fn a_dead_head_blocks_only_its_key_until_skipped() {
         count(&client, "SELECT count(*) FROM pgbus.deliveries").await == 1
     })
     .await;
+    // The followers ran after the skip, once each, in order; the dead head did not run
+    // again.
+    assert_eq!(key_7_runs(&seen), vec![0, 1, 2, 3]);
     assert!(
         pgbus::ordering::blocked_keys(&client, None)
             .await
@@ -466,11 +485,22 @@ async fn a_dead_head_blocks_only_its_key_until_skipped() {
 
 #[tokio::test]
 async fn a_dead_head_under_skip_lets_its_key_go_on() {
-    let (_, client, _db, running) = dead_head_case(DeadHeadPolicy::Skip).await;
+    let (seen, client, _db, running) = dead_head_case(DeadHeadPolicy::Skip).await;
     common::wait_for("the rest of the key", WAIT, || async {
         count(&client, "SELECT count(*) FROM pgbus.deliveries").await == 1
     })
     .await;
+    // The followers ran after the dead head, once each, in order, with nobody's help.
+    assert_eq!(key_7_runs(&seen), vec![0, 1, 2, 3]);
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead' AND NOT is_head"
+        )
+        .await,
+        1,
+        "the skipped dead letter is kept"
+    );
     assert!(
         pgbus::ordering::blocked_keys(&client, None)
             .await
