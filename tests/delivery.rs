@@ -75,8 +75,32 @@ async fn handler_and_stream_receive_committed_events_and_never_rolled_back_ones(
     )
     .await
     .unwrap();
-    // Not before the commit.
-    assert!(seen.try_recv().is_err());
+    // Not before the commit: while it is open, a probe committed from another
+    // connection reaches both subscriptions, and it comes first. The open transaction's
+    // event is older (an earlier `available_at` and `seq`), so a claim that saw it would
+    // have taken it before the probe.
+    let other = db.connect().await;
+    pgbus::publish(&other, &Event::new("order.probe", json!({})).id("probe"))
+        .await
+        .unwrap();
+    let event = common::within("the probe", WAIT, seen.recv())
+        .await
+        .unwrap();
+    assert_eq!(event.id, "probe", "the handler ran an uncommitted event");
+    let delivery = common::within("the stream's probe", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!(
+        delivery.event().id,
+        "probe",
+        "the stream yielded an uncommitted event"
+    );
+    delivery.ack().await.unwrap();
+    wait_empty(&other).await;
+    assert!(
+        seen.try_recv().is_err(),
+        "the handler ran an uncommitted event"
+    );
     tx.commit().await.unwrap();
 
     let event = common::within("the handler", WAIT, seen.recv())
@@ -108,7 +132,7 @@ async fn handler_and_stream_receive_committed_events_and_never_rolled_back_ones(
     delivery.ack().await.unwrap();
     wait_empty(&client).await;
     let stats = running.stats();
-    assert_eq!(stats.delivered, 4);
+    assert_eq!(stats.delivered, 6);
     assert_eq!(stats.wakeups_by_poll, 0, "{stats:?}");
     running.shutdown().await.unwrap();
     assert!(
