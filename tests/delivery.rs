@@ -75,8 +75,32 @@ async fn handler_and_stream_receive_committed_events_and_never_rolled_back_ones(
     )
     .await
     .unwrap();
-    // Not before the commit.
-    assert!(seen.try_recv().is_err());
+    // Not before the commit: while it is open, a probe committed from another
+    // connection reaches both subscriptions, and it comes first. The open transaction's
+    // event is older (an earlier `available_at` and `seq`), so a claim that saw it would
+    // have taken it before the probe.
+    let other = db.connect().await;
+    pgbus::publish(&other, &Event::new("order.probe", json!({})).id("probe"))
+        .await
+        .unwrap();
+    let event = common::within("the probe", WAIT, seen.recv())
+        .await
+        .unwrap();
+    assert_eq!(event.id, "probe", "the handler ran an uncommitted event");
+    let delivery = common::within("the stream's probe", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!(
+        delivery.event().id,
+        "probe",
+        "the stream yielded an uncommitted event"
+    );
+    delivery.ack().await.unwrap();
+    wait_empty(&other).await;
+    assert!(
+        seen.try_recv().is_err(),
+        "the handler ran an uncommitted event"
+    );
     tx.commit().await.unwrap();
 
     let event = common::within("the handler", WAIT, seen.recv())
@@ -108,7 +132,7 @@ async fn handler_and_stream_receive_committed_events_and_never_rolled_back_ones(
     delivery.ack().await.unwrap();
     wait_empty(&client).await;
     let stats = running.stats();
-    assert_eq!(stats.delivered, 4);
+    assert_eq!(stats.delivered, 6);
     assert_eq!(stats.wakeups_by_poll, 0, "{stats:?}");
     running.shutdown().await.unwrap();
     assert!(
@@ -679,53 +703,110 @@ async fn shutdown_with_handlers_in_flight_loses_nothing() {
     assert_eq!(ids.len(), 40);
 }
 
+/// Makes `public.in_flight_max` hold the most deliveries ever `processing` at once in
+/// this database, in all (subscription `*`) and per subscription: a statement-level
+/// trigger records the counts after every UPDATE of `pgbus.deliveries`, and every claim
+/// is one, so no peak can fall between two samples.
+async fn record_in_flight_peaks(client: &tokio_postgres::Client) {
+    client
+        .batch_execute(
+            "CREATE TABLE public.in_flight_max (subscription text PRIMARY KEY, peak bigint NOT NULL);
+             CREATE FUNCTION public.record_in_flight() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.in_flight_max AS m (subscription, peak)
+                 SELECT coalesce(subscription, '*'), count(*) FROM pgbus.deliveries
+                 WHERE status = 'processing' GROUP BY ROLLUP (subscription)
+                 ON CONFLICT (subscription) DO UPDATE SET peak = greatest(m.peak, excluded.peak);
+                 RETURN NULL;
+             END $$;
+             CREATE TRIGGER deliveries_in_flight AFTER UPDATE ON pgbus.deliveries
+                 FOR EACH STATEMENT EXECUTE FUNCTION public.record_in_flight();",
+        )
+        .await
+        .unwrap();
+}
+
+/// The most deliveries ever in flight at once: `*` for all of them, or a subscription's.
+async fn in_flight_peak(client: &tokio_postgres::Client, subscription: &str) -> i64 {
+    client
+        .query_opt(
+            "SELECT peak FROM public.in_flight_max WHERE subscription = $1",
+            &[&subscription],
+        )
+        .await
+        .unwrap()
+        .map_or(0, |row| row.get(0))
+}
+
+const CONCURRENCY: usize = 4;
+const BATCH: usize = 50;
+
+/// A handler that counts its runs and the most running at once, and takes a millisecond
+/// (slow enough that claims wait for free slots).
+fn counting_handler(
+    handled: Arc<AtomicUsize>,
+    max_running: Arc<AtomicUsize>,
+) -> impl Fn(Event) -> futures::future::BoxFuture<'static, Result<(), HandlerError>>
++ Send
++ Sync
++ 'static {
+    let running_now = Arc::new(AtomicUsize::new(0));
+    move |_| {
+        let now = running_now.fetch_add(1, Ordering::SeqCst) + 1;
+        max_running.fetch_max(now, Ordering::SeqCst);
+        let (r, h) = (running_now.clone(), handled.clone());
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            r.fetch_sub(1, Ordering::SeqCst);
+            h.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+    }
+}
+
 #[tokio::test]
-async fn backpressure_claims_no_more_than_concurrency_plus_one_batch() {
+async fn a_handlers_in_flight_deliveries_never_exceed_concurrency_plus_one_batch() {
     let db = common::test_db().await;
     let client = db.connect().await;
     pgbus::admin::register_subscription(&client, "work", &["*"], 25)
         .await
         .unwrap();
+    record_in_flight_peaks(&client).await;
     let events: Vec<Event> = (0..10_000).map(|i| Event::new("job", json!(i))).collect();
     pgbus::publish_batch(&client, &events).await.unwrap();
 
-    let running_now = Arc::new(AtomicUsize::new(0));
-    let max_running = Arc::new(AtomicUsize::new(0));
     let handled = Arc::new(AtomicUsize::new(0));
-    let (r, m, h) = (running_now.clone(), max_running.clone(), handled.clone());
+    let max_running = Arc::new(AtomicUsize::new(0));
     let bus = Bus::builder(db.config())
-        .concurrency(4)
-        .batch_size(50)
-        .handler_fn("work", ["*"], move |_| {
-            let now = r.fetch_add(1, Ordering::SeqCst) + 1;
-            m.fetch_max(now, Ordering::SeqCst);
-            let (r, h) = (r.clone(), h.clone());
-            async move {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-                r.fetch_sub(1, Ordering::SeqCst);
-                h.fetch_add(1, Ordering::SeqCst);
-                Ok(())
-            }
-        })
+        .concurrency(CONCURRENCY)
+        .batch_size(BATCH)
+        .handler_fn(
+            "work",
+            ["*"],
+            counting_handler(handled.clone(), max_running.clone()),
+        )
         .build()
         .unwrap()
         .start()
         .await
         .unwrap();
-    let mut max_claimed = 0;
-    while handled.load(Ordering::SeqCst) < 1_000 {
-        let claimed = count(
-            &client,
-            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'processing'",
-        )
-        .await;
-        max_claimed = max_claimed.max(claimed);
-        tokio::time::sleep(Duration::from_millis(2)).await; // sampling period, not a wait
-    }
+    common::wait_for("1,000 deliveries handled", WAIT, || async {
+        handled.load(Ordering::SeqCst) >= 1_000
+    })
+    .await;
     bus.shutdown().await.unwrap();
-    assert!(max_claimed > 0);
-    assert!(max_claimed <= 4 + 50, "claimed {max_claimed} at once");
-    assert!(max_running.load(Ordering::SeqCst) <= 4);
+    let peak = in_flight_peak(&client, "*").await;
+    println!("handler: at most {peak} deliveries in flight");
+    // The first claim alone takes a full batch: the recording sees the prefetch.
+    assert!(
+        peak >= BATCH as i64,
+        "the peak recorded ({peak}) is below one batch: the recording misses claims"
+    );
+    assert!(
+        peak <= (CONCURRENCY + BATCH) as i64,
+        "{peak} deliveries in flight at once, more than concurrency plus one batch"
+    );
+    assert!(max_running.load(Ordering::SeqCst) <= CONCURRENCY);
     assert_eq!(
         count(
             &client,
@@ -734,6 +815,91 @@ async fn backpressure_claims_no_more_than_concurrency_plus_one_batch() {
         .await,
         0
     );
+}
+
+/// A stream and a handler on one bus: the stream's unsettled deliveries never exceed its
+/// own limit, and with the handler's they never exceed the bus's concurrency plus one
+/// batch, however long the stream's consumer holds them.
+#[tokio::test]
+async fn a_streams_in_flight_deliveries_never_exceed_its_limit_nor_the_buss() {
+    const STREAM_LIMIT: usize = 20;
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    for sub in ["work", "feed"] {
+        pgbus::admin::register_subscription(&client, sub, &["*"], 25)
+            .await
+            .unwrap();
+    }
+    record_in_flight_peaks(&client).await;
+    let events: Vec<Event> = (0..10_000).map(|i| Event::new("job", json!(i))).collect();
+    pgbus::publish_batch(&client, &events).await.unwrap();
+
+    let handled = Arc::new(AtomicUsize::new(0));
+    let max_running = Arc::new(AtomicUsize::new(0));
+    let mut bus = Bus::builder(db.config())
+        .concurrency(CONCURRENCY)
+        .batch_size(BATCH)
+        .handler_fn(
+            "work",
+            ["*"],
+            counting_handler(handled.clone(), max_running.clone()),
+        )
+        .build()
+        .unwrap();
+    let mut stream = bus
+        .subscribe_with(
+            "feed",
+            ["*"],
+            SubscriptionOptions::new().concurrency(STREAM_LIMIT),
+        )
+        .unwrap();
+    let running = bus.start().await.unwrap();
+    // The test holds deliveries unacknowledged until it has as many as the stream may
+    // have (so the stream's limit is reached every round), then acknowledges them.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut held = Vec::new();
+    let mut acked = 0;
+    while acked < 1_000 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out with {acked} deliveries acknowledged"
+        );
+        let d = common::within("the next delivery", WAIT, stream.next())
+            .await
+            .expect("the stream ended");
+        held.push(d);
+        if held.len() == STREAM_LIMIT {
+            let acks = held.drain(..).map(|d| d.ack());
+            for result in common::within("the acks", WAIT, futures::future::join_all(acks)).await {
+                result.unwrap();
+            }
+            acked += STREAM_LIMIT;
+        }
+    }
+    common::wait_for("1,000 deliveries handled", WAIT, || async {
+        handled.load(Ordering::SeqCst) >= 1_000
+    })
+    .await;
+    running.shutdown().await.unwrap();
+    let (all, feed) = (
+        in_flight_peak(&client, "*").await,
+        in_flight_peak(&client, "feed").await,
+    );
+    println!("stream and handler: at most {all} deliveries in flight, {feed} of the stream");
+    // The test held the stream's full limit: the recording saw it.
+    assert!(
+        feed >= STREAM_LIMIT as i64,
+        "the stream's peak recorded ({feed}) is below what the test held"
+    );
+    assert!(
+        feed <= STREAM_LIMIT as i64,
+        "{feed} of the stream's deliveries in flight at once, more than its limit"
+    );
+    assert!(
+        all <= (CONCURRENCY + BATCH) as i64,
+        "{all} deliveries in flight at once, more than concurrency plus one batch"
+    );
+    assert!(max_running.load(Ordering::SeqCst) <= CONCURRENCY);
 }
 
 /// The race of cost-aware notify: publishers stop notifying while the bus is awake;

@@ -288,6 +288,22 @@ async fn a_batch_of_a_thousand_is_one_statement_and_fans_out() {
     let client = db.connect().await;
     subscribe(&client, "orders", &["order.*"]).await;
     subscribe(&client, "users", &["user.*"]).await;
+    // Every INSERT statement on the log leaves a row here with the rows it inserted: a
+    // statement-level trigger fires once per statement, whatever its row count.
+    client
+        .batch_execute(
+            "CREATE TABLE public.event_inserts (n bigserial PRIMARY KEY, inserted bigint NOT NULL);
+             CREATE FUNCTION public.count_event_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO public.event_inserts (inserted) SELECT count(*) FROM new_rows;
+                 RETURN NULL;
+             END $$;
+             CREATE TRIGGER events_insert_statements AFTER INSERT ON pgbus.events
+                 REFERENCING NEW TABLE AS new_rows
+                 FOR EACH STATEMENT EXECUTE FUNCTION public.count_event_insert();",
+        )
+        .await
+        .unwrap();
     let events: Vec<Event> = (0..1000)
         .map(|i| {
             let name = if i % 2 == 0 {
@@ -299,6 +315,18 @@ async fn a_batch_of_a_thousand_is_one_statement_and_fans_out() {
         })
         .collect();
     assert_eq!(pgbus::publish_batch(&client, &events).await.unwrap(), 1000);
+    let statements: Vec<i64> = client
+        .query("SELECT inserted FROM public.event_inserts ORDER BY n", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        statements,
+        vec![1000],
+        "the batch took one INSERT statement per entry of this list"
+    );
     assert_eq!(
         count(&client, "SELECT count(*) FROM pgbus.events").await,
         1000
@@ -384,26 +412,58 @@ async fn raw_sql_insert_and_sql_publish_function_create_deliveries() {
 async fn uuid_v7_ids_are_time_ordered() {
     let db = common::test_db().await;
     let client = db.connect().await;
-    let ids: Vec<String> = client
+    // Ids made by the schema (raw SQL publishers), in generation order; a millisecond
+    // passes every 250 ids, so they span many milliseconds.
+    let sql_ids: Vec<uuid::Uuid> = client
         .query(
-            "SELECT pgbus.uuid_v7()::text FROM generate_series(1, 3)",
+            "SELECT pgbus.uuid_v7()::text, CASE WHEN i % 250 = 0 THEN pg_sleep(0.001)::text END \
+             FROM generate_series(1, 2500) AS i ORDER BY i",
             &[],
         )
         .await
         .unwrap()
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| uuid::Uuid::parse_str(r.get::<_, &str>(0)).unwrap())
         .collect();
-    for id in &ids {
-        let u = uuid::Uuid::parse_str(id).unwrap();
-        assert_eq!(u.get_version_num(), 7, "{id}");
+    // Ids made by `Event::new` (the Rust publishers), in generation order.
+    let rust_ids: Vec<uuid::Uuid> = (0..2500)
+        .map(|_| uuid::Uuid::parse_str(&Event::new("x", json!({})).id).unwrap())
+        .collect();
+    let millis = |u: &uuid::Uuid| {
+        let (secs, nanos) = u.get_timestamp().unwrap().to_unix();
+        secs * 1000 + u64::from(nanos) / 1_000_000
+    };
+    for (source, ids) in [("sql", &sql_ids), ("rust", &rust_ids)] {
+        for id in ids {
+            assert_eq!(id.get_version_num(), 7, "{source}: {id}");
+        }
+        // The embedded millisecond timestamps never go back...
+        let ms: Vec<u64> = ids.iter().map(millis).collect();
+        assert!(
+            ms.windows(2).all(|w| w[0] <= w[1]),
+            "{source}: a timestamp went back"
+        );
+        assert!(
+            ms.last().unwrap() > ms.first().unwrap(),
+            "{source}: the ids span no time"
+        );
+        // ...and an id made in a later millisecond sorts after every earlier one, as text
+        // (the column's type) and as a uuid.
+        for w in ids.windows(2) {
+            if millis(&w[0]) < millis(&w[1]) {
+                assert!(w[0] < w[1], "{source}: {} sorts after {}", w[0], w[1]);
+                assert!(w[0].to_string() < w[1].to_string(), "{source}: as text");
+            }
+        }
     }
-    let rust = uuid::Uuid::now_v7();
-    let sql = uuid::Uuid::parse_str(&ids[0]).unwrap();
-    // Same millisecond clock base: the timestamps are within a minute of each other.
-    let (a, _) = rust.get_timestamp().unwrap().to_unix();
-    let (b, _) = sql.get_timestamp().unwrap().to_unix();
-    assert!(a.abs_diff(b) < 60, "{a} vs {b}");
+    // `Event::new` ids sort in generation order even within one millisecond (the uuid
+    // crate keeps a counter); the schema's are ordered to the millisecond only.
+    let mut sorted = rust_ids.clone();
+    sorted.sort();
+    assert_eq!(sorted, rust_ids, "rust ids do not sort in generation order");
+    // Both clocks agree: the schema's ids and the crate's are within a minute.
+    let (a, b) = (millis(&rust_ids[0]), millis(&sql_ids[0]));
+    assert!(a.abs_diff(b) < 60_000, "{a} vs {b}");
 }
 
 /// Every refusal: a typed error, and nothing written.
