@@ -188,6 +188,18 @@ impl Delivery {
         self.settle(action).await
     }
 
+    /// Gives the delivery back without using its attempt: it is pending again at once,
+    /// for this or another consumer, with no failure recorded. For a consumer that
+    /// cannot handle it through no fault of the event (its own output failed, it is
+    /// stopping); an ordered subscription's head stays the head.
+    ///
+    /// # Errors
+    ///
+    /// As [`Delivery::ack`].
+    pub async fn release(mut self) -> Result<()> {
+        self.settle(Action::Release).await
+    }
+
     /// Records a failed attempt and retries after `delay`. A delay longer than
     /// [`MAX_RETRY_DELAY`](crate::MAX_RETRY_DELAY) (365 days) is clamped to it.
     ///

@@ -462,21 +462,17 @@ async fn fail(ctx: &Ctx, delivery: Delivery, error: String) {
     }
 }
 
-/// Gives a delivery back to the subscription because pgbus, not the event, failed.
-///
-/// The library releases without consuming an attempt only deliveries it never handed
-/// out; for one handed out the nearest is a failed attempt retried at once, which
-/// charges the attempt (and dead-letters the delivery if it was its last).
+/// Gives a delivery back to the subscription because pgbus, not the event, failed: it
+/// is pending again at once, its attempt not consumed, no failure recorded.
 async fn give_back(ctx: &Ctx, delivery: Delivery, reason: &str) {
     let (id, attempt) = (delivery.event().id.clone(), delivery.attempt());
-    match delivery
-        .fail(HandlerError::retry_after(reason, Duration::ZERO))
-        .await
-    {
+    match delivery.release().await {
         Ok(()) => {
             ctx.counts.released.fetch_add(1, Ordering::Relaxed);
         }
-        Err(e) => eprintln!("pgbus: event {id} attempt {attempt}: could not give it back: {e}"),
+        Err(e) => {
+            eprintln!("pgbus: event {id} attempt {attempt} ({reason}): could not give it back: {e}")
+        }
     }
 }
 
