@@ -787,14 +787,14 @@ impl RunningBus {
     pub async fn shutdown(mut self) -> Result<()> {
         let deadline = tokio::time::Instant::now() + self.shared.opts.shutdown_timeout;
         self.shared.stopping.cancel();
-        // Release what the streams have buffered but not handed out.
-        for (_, rx) in &self.streams {
-            let mut rx = rx.lock().unwrap_or_else(|p| p.into_inner());
-            while rx.try_recv().is_ok() {}
-        }
+        // Release what the streams have buffered but not handed out, before and after
+        // the dispatcher ends: a claim under way when stopping began still hands its
+        // deliveries over (the dispatcher releases those it gets for streams then).
+        self.release_buffered();
         if let Some(d) = self.dispatcher.take() {
             let _ = d.await;
         }
+        self.release_buffered();
         // Deliveries still in the application's hands (subscription streams).
         while self.held_count() > 0 && tokio::time::Instant::now() < deadline {
             let _ =
@@ -822,6 +822,13 @@ impl RunningBus {
         self.shared.pool.close();
         tracing::info!(worker = %self.shared.worker_id, "pgbus stopped");
         result
+    }
+
+    fn release_buffered(&self) {
+        for (_, rx) in &self.streams {
+            let mut rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+            while rx.try_recv().is_ok() {}
+        }
     }
 
     fn held_count(&self) -> usize {
@@ -864,8 +871,11 @@ async fn run_dispatcher(shared: Arc<Shared>, mut claims: ClaimStream) {
         let sub = delivery.sub.clone();
         match &sub.target {
             Target::Stream(tx) => {
-                // A dropped stream drops the delivery unstarted: it is released.
-                let _ = tx.send(delivery);
+                // A dropped stream drops the delivery unstarted: it is released. So does
+                // a stopping bus, whose streams are no longer read.
+                if !shared.stopping.is_cancelled() {
+                    let _ = tx.send(delivery);
+                }
             }
             Target::Handler(handler) => {
                 let handler = handler.clone();
