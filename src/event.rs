@@ -16,6 +16,9 @@ pub const MAX_NAME_BYTES: usize = 255;
 /// them) can decode.
 pub const MAX_JSON_DEPTH: usize = 127;
 
+/// The longest [`Event::delay`]: 100 years (36,500 days). Longer is refused as bad input.
+pub const MAX_DELAY: Duration = Duration::from_secs(36_500 * 24 * 3600);
+
 /// The default limit on an event's payload, in bytes of JSON text: 1 MiB.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
@@ -188,7 +191,8 @@ impl Event {
     }
 
     /// Delays delivery by `delay`, measured by the database's clock from the publishing
-    /// transaction's start.
+    /// transaction's start. At most [`MAX_DELAY`] (100 years): publishing refuses more
+    /// with [`Error::Invalid`].
     pub fn delay(mut self, delay: Duration) -> Self {
         self.delay = Some(delay);
         self.deliver_at = None;
@@ -277,13 +281,16 @@ impl Event {
         }
         let headers = serde_json::to_string(&self.headers)
             .map_err(|e| Error::invalid("headers", e.to_string()))?;
-        let delay_ms =
-            match self.delay {
-                Some(d) => Some(i64::try_from(d.as_millis()).map_err(|_| {
-                    Error::invalid("delay", format!("{d:?} is too long to represent"))
-                })?),
-                None => None,
-            };
+        let delay_ms = match self.delay {
+            Some(d) if d > MAX_DELAY => {
+                return Err(Error::invalid(
+                    "delay",
+                    format!("{d:?} is longer than the longest delay, {MAX_DELAY:?} (100 years)"),
+                ));
+            }
+            Some(d) => Some(d.as_millis() as i64),
+            None => None,
+        };
         Ok(Encoded {
             payload,
             headers,

@@ -275,7 +275,22 @@ async fn invalid_payloads_are_refused_with_a_typed_error_and_nothing_is_written(
         ),
         (&["publish", "a.b", "{}", "--lines"], None, "--lines"),
     ];
-    for (args, input, expected) in cases {
+    // --lines publishes in chunks of 1,000 in one transaction: a bad line after a few
+    // chunks were sent rolls them back.
+    let many = format!("{}{{broken\n", "{\"ok\": 1}\n".repeat(2_500));
+    let many_cases: &[(&[&str], Option<&str>, &str)] = &[
+        (
+            &["publish", "a.b", "-", "--lines"],
+            Some(&many),
+            "line 2501",
+        ),
+        (
+            &["publish", "a.b", "{}", "--delay", "1000000000d"],
+            None,
+            "longest delay",
+        ),
+    ];
+    for (args, input, expected) in cases.iter().chain(many_cases) {
         let out = run_with(pgbus_on(&db), args, *input).await;
         assert_eq!(out.code, 2, "{args:?}: {out:?}");
         assert!(out.stderr.contains(expected), "{args:?}: {out:?}");

@@ -103,16 +103,10 @@ impl PublishArgs {
         event
     }
 
-    /// The events to publish, read and checked before connecting.
-    fn events(&self) -> Result<Vec<Event>, Failure> {
-        let from_stdin = self.payload.as_deref() == Some("-");
-        if self.lines && !from_stdin {
-            return Err(usage(
-                "error: --lines reads standard input: pass - as the payload",
-            ));
-        }
+    /// The one event to publish (without --lines), read and checked before connecting.
+    fn event_from_args(&self) -> Result<Event, Failure> {
         let text = match self.payload.as_deref() {
-            None => return Ok(vec![self.event(json!({}))]),
+            None => return Ok(self.event(json!({}))),
             Some("-") => {
                 let mut text = String::new();
                 std::io::stdin()
@@ -122,55 +116,93 @@ impl PublishArgs {
             }
             Some(text) => text.to_string(),
         };
-        if !self.lines {
-            return Ok(vec![self.event(parse_json(&text, "payload")?)]);
-        }
-        let mut events = Vec::new();
-        for (i, line) in text.lines().enumerate() {
+        Ok(self.event(parse_json(&text, "payload")?))
+    }
+}
+
+/// How many `--lines` events go to PostgreSQL in one statement.
+const LINES_CHUNK: usize = 1000;
+
+/// `--lines`: reads standard input a line at a time and publishes it in chunks of
+/// [`LINES_CHUNK`], all in one transaction, so memory stays bounded by a chunk whatever
+/// the input's size. Bad input anywhere rolls everything back. Returns the ids, in
+/// order, and how many were new.
+async fn publish_lines(
+    args: &PublishArgs,
+    client: &mut tokio_postgres::Client,
+) -> Result<(Vec<String>, u64), Failure> {
+    use tokio::io::AsyncBufReadExt as _;
+    let tx = client.transaction().await?;
+    let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    let (mut ids, mut inserted, mut chunk, mut n) = (Vec::new(), 0, Vec::new(), 0);
+    loop {
+        let line = lines
+            .next_line()
+            .await
+            .map_err(|e| usage(format!("error: reading standard input: {e}")))?;
+        let done = line.is_none();
+        if let Some(line) = line {
+            n += 1;
             if line.trim().is_empty() {
                 continue;
             }
-            let payload = parse_json(line, &format!("payload on line {}", i + 1))?;
-            events.push(self.event(payload));
+            let payload = parse_json(&line, &format!("payload on line {n}"))?;
+            chunk.push(args.event(payload));
         }
-        if events.is_empty() {
-            return Err(usage("error: no events on standard input"));
+        if chunk.len() >= LINES_CHUNK || (done && !chunk.is_empty()) {
+            inserted += pgbus::publish_batch(&tx, &chunk).await?;
+            ids.extend(chunk.drain(..).map(|e| e.id));
         }
-        Ok(events)
+        if done {
+            break;
+        }
     }
+    if ids.is_empty() {
+        return Err(usage("error: no events on standard input"));
+    }
+    tx.commit().await?;
+    Ok((ids, inserted))
 }
 
 pub(crate) async fn run(args: PublishArgs, url: Option<&str>) -> Result<(), Failure> {
     let config = super::database_config(url)?;
-    let events = args.events()?;
-    let client = super::connect(&config).await?;
-    if let [event] = &events[..]
-        && !args.lines
-    {
-        let outcome = pgbus::publish(&client, event).await?;
-        let inserted = outcome == Published::Inserted;
-        let printed = if args.json {
-            print_json(&json!({"id": event.id, "inserted": inserted}))
-        } else {
-            outln!("{}", event.id)
-        };
-        if !inserted {
-            eprintln!(
-                "pgbus: event {} was already published: nothing written",
-                event.id
-            );
+    if args.lines {
+        if args.payload.as_deref() != Some("-") {
+            return Err(usage(
+                "error: --lines reads standard input: pass - as the payload",
+            ));
         }
-        return printed.map_err(|f| committed(f, &[event.id.as_str()], u64::from(inserted), 0));
+        let mut client = super::connect(&config).await?;
+        let (ids, inserted) = publish_lines(&args, &mut client).await?;
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        return print_ids(&args, &ids, inserted);
     }
-    // One statement: every line is published, or none.
-    let inserted = pgbus::publish_batch(&client, &events).await?;
-    let ids: Vec<&str> = events.iter().map(|e| e.id.as_str()).collect();
+    let event = args.event_from_args()?;
+    let client = super::connect(&config).await?;
+    let outcome = pgbus::publish(&client, &event).await?;
+    let inserted = outcome == Published::Inserted;
+    let printed = if args.json {
+        print_json(&json!({"id": event.id, "inserted": inserted}))
+    } else {
+        outln!("{}", event.id)
+    };
+    if !inserted {
+        eprintln!(
+            "pgbus: event {} was already published: nothing written",
+            event.id
+        );
+    }
+    printed.map_err(|f| committed(f, &[event.id.as_str()], u64::from(inserted), 0))
+}
+
+/// Prints the ids of committed events; a failing output says what was committed.
+fn print_ids(args: &PublishArgs, ids: &[&str], inserted: u64) -> Result<(), Failure> {
     if args.json {
         return print_json(&json!({"ids": ids, "inserted": inserted}))
-            .map_err(|f| committed(f, &ids, inserted, 0));
+            .map_err(|f| committed(f, ids, inserted, 0));
     }
     for (printed, id) in ids.iter().enumerate() {
-        outln!("{id}").map_err(|f| committed(f, &ids, inserted, printed))?;
+        outln!("{id}").map_err(|f| committed(f, ids, inserted, printed))?;
     }
     Ok(())
 }
