@@ -187,10 +187,11 @@ BEGIN
         LOOP
             -- The check may have to wait for a transaction that is changing the key's
             -- head row (a claim), whose own check at commit may wait for this one: it
-            -- waits briefly, and otherwise reports a serialization failure instead of
-            -- a deadlock.
+            -- waits up to 500 ms (less than the deadlock detector's 1 s, so this side
+            -- gives way), and otherwise reports a serialization failure instead of a
+            -- deadlock.
             BEGIN
-                PERFORM pg_catalog.set_config('lock_timeout', '50ms', true);
+                PERFORM pg_catalog.set_config('lock_timeout', '500ms', true);
                 UPDATE pgbus.deliveries AS d SET is_head = true
                 WHERE d.subscription = v_first.sub AND d.event_seq = v_first.seq;
                 SET CONSTRAINTS pgbus.deliveries_one_head IMMEDIATE;
@@ -370,6 +371,10 @@ BEGIN
         WHERE d.subscription = p_name AND (d.ordering_key IS NOT NULL OR NOT d.is_head);
         GET DIAGNOSTICS v_converted = ROW_COUNT;
     ELSIF v_now AND NOT v_was THEN
+        -- Hold every delivery of the subscription first: a claim under way finishes
+        -- (claims skip locked rows, so no new one starts), and the statement below, with
+        -- a fresh snapshot, decides heads from rows nobody can change under it.
+        PERFORM 1 FROM pgbus.deliveries AS d WHERE d.subscription = p_name FOR UPDATE;
         UPDATE pgbus.deliveries AS d
         SET ordering_key = c.key,
             key_pos = 0,

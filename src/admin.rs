@@ -390,6 +390,8 @@ pub struct SubscriptionStatus {
     pub processing: i64,
     /// Dead letters.
     pub dead: i64,
+    /// Keys of an ordered subscription whose head is a dead letter (the key waits).
+    pub blocked_keys: i64,
     /// How long the oldest due delivery has been due (the lag); `None` when none is due.
     pub oldest_due_age: Option<Duration>,
     /// Events published in the last minute that matched this subscription and whose
@@ -427,8 +429,27 @@ pub struct Status {
 /// [`Error::SchemaMissing`] when the database was never migrated, [`Error::Database`]
 /// when a statement fails.
 pub async fn status<C: Executor + ?Sized>(client: &C) -> Result<Status> {
+    status_of(client, None).await
+}
+
+/// [`status`] with only one subscription's row (`Some(name)`), computed for that one
+/// alone; `None`: every subscription.
+///
+/// # Errors
+///
+/// [`Error::UnknownSubscription`] when there is no subscription of that name; otherwise
+/// as [`status`].
+pub async fn status_of<C: Executor + ?Sized>(
+    client: &C,
+    subscription: Option<&str>,
+) -> Result<Status> {
     let client = client.client();
-    let subscriptions = subscription_statuses(client, None).await?;
+    let subscriptions = subscription_statuses(client, subscription).await?;
+    if let (Some(name), true) = (subscription, subscriptions.is_empty()) {
+        return Err(Error::UnknownSubscription {
+            name: name.to_string(),
+        });
+    }
     let row = client.query_one(sql::STATUS_CLUSTER, &[]).await?;
     Ok(Status {
         subscriptions,
@@ -472,6 +493,7 @@ async fn subscription_statuses<C: GenericClient>(
                 due: row.try_get(4)?,
                 processing: row.try_get(5)?,
                 dead: row.try_get(6)?,
+                blocked_keys: row.try_get(10)?,
                 // An infinite age (a row written with available_at = -infinity before
                 // the schema refused it) reads as the longest duration there is.
                 oldest_due_age: row
@@ -561,6 +583,51 @@ pub struct DeadLetter {
     pub failed_at: Option<DateTime<Utc>>,
 }
 
+/// A place in the listing of dead letters (oldest event first): the next page starts
+/// after it. Written `SEQ/SUBSCRIPTION` (`1042/mailer`), as `pgbus dead list --after`
+/// takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterCursor {
+    event_seq: i64,
+    subscription: String,
+}
+
+impl DeadLetter {
+    /// The place just after this dead letter, for the next page.
+    pub fn cursor(&self) -> DeadLetterCursor {
+        DeadLetterCursor {
+            event_seq: self.event_seq,
+            subscription: self.subscription.clone(),
+        }
+    }
+}
+
+impl std::fmt::Display for DeadLetterCursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.event_seq, self.subscription)
+    }
+}
+
+impl std::str::FromStr for DeadLetterCursor {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let bad = || {
+            Error::invalid(
+                "dead letter cursor",
+                format!("expected SEQ/SUBSCRIPTION (e.g. 1042/mailer), got {text:?}"),
+            )
+        };
+        let (seq, subscription) = text.split_once('/').ok_or_else(bad)?;
+        let event_seq = seq.parse().map_err(|_| bad())?;
+        validate_name("subscription name", subscription)?;
+        Ok(DeadLetterCursor {
+            event_seq,
+            subscription: subscription.to_string(),
+        })
+    }
+}
+
 /// Lists dead letters, oldest event first, at most `limit`. For the next page, call
 /// [`dead_letters_after`] with the last one listed.
 ///
@@ -587,7 +654,7 @@ pub async fn dead_letters_after<C: Executor + ?Sized>(
     client: &C,
     filter: &DeadLetterFilter,
     limit: i64,
-    after: Option<&DeadLetter>,
+    after: Option<&DeadLetterCursor>,
 ) -> Result<Vec<DeadLetter>> {
     filter.check(client).await?;
     let after_seq = after.map(|d| d.event_seq);
@@ -629,10 +696,34 @@ pub async fn count_dead_letters<C: Executor + ?Sized>(
     client: &C,
     filter: &DeadLetterFilter,
 ) -> Result<i64> {
+    count_dead_letters_after(client, filter, None).await
+}
+
+/// Counts the dead letters after `after` in the listing's order (see
+/// [`dead_letters_after`]): how many more pages hold.
+///
+/// # Errors
+///
+/// As [`dead_letters`].
+pub async fn count_dead_letters_after<C: Executor + ?Sized>(
+    client: &C,
+    filter: &DeadLetterFilter,
+    after: Option<&DeadLetterCursor>,
+) -> Result<i64> {
     filter.check(client).await?;
+    let after_seq = after.map(|d| d.event_seq);
+    let after_sub = after.map(|d| d.subscription.as_str());
     let row = client
         .client()
-        .query_one(sql::DEAD_COUNT, &[&filter.subscription, &filter.event_id])
+        .query_one(
+            sql::DEAD_COUNT,
+            &[
+                &filter.subscription,
+                &filter.event_id,
+                &after_seq,
+                &after_sub,
+            ],
+        )
         .await?;
     Ok(row.try_get(0)?)
 }

@@ -337,10 +337,12 @@ pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Characters that change how the text around them reads without showing themselves:
-/// bidirectional marks, embeddings, overrides and isolates, zero-width characters, the
-/// byte order mark. The schema refuses the same (`pgbus.visible_text`).
-pub(crate) fn is_invisible(c: char) -> bool {
+/// Whether `c` is an invisible formatting character: one that changes how the text
+/// around it reads without showing itself (bidirectional marks, embeddings, overrides
+/// and isolates, zero-width characters, the byte order mark). pgbus refuses them, with
+/// control characters, in ids and names; the schema refuses the same
+/// (`pgbus.visible_text`).
+pub fn is_invisible(c: char) -> bool {
     matches!(
         c,
         '\u{061C}'

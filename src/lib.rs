@@ -58,7 +58,7 @@ pub use dispatch::{Handler, SubscriptionOptions};
 pub use error::{Error, HandlerError, MAX_ERROR_TEXT, Result};
 pub use event::{
     DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_DELAY, MAX_EVENT_BYTES, MAX_JSON_DEPTH, MAX_NAME_BYTES,
-    pattern_matches,
+    is_invisible, pattern_matches,
 };
 pub use ordering::DeadHeadPolicy;
 pub use publish::{Executor, Published, Publisher, publish, publish_batch};

@@ -200,7 +200,8 @@ pub const CONSUMER_REMOVE: &str = "DELETE FROM pgbus.consumers WHERE id = $1";
 /// Columns: name, patterns, max_attempts; pending, due now, processing and dead
 /// deliveries; the seconds since the oldest due delivery became due (NULL when none is
 /// due); the events published in the last minute that matched and whose delivery is
-/// finished (completed, or purged); live consumers serving it.
+/// finished (completed, or purged); live consumers serving it; keys blocked by a dead
+/// head.
 ///
 /// Set-based: one pass over the deliveries (of the one subscription, through the primary
 /// key, when `$1` is given) grouped by subscription; one pass over the last minute of the
@@ -216,6 +217,8 @@ WITH counts AS (
          count(*) FILTER (WHERE d.status = 'pending' AND d.available_at <= now()) AS due,
          count(*) FILTER (WHERE d.status = 'processing') AS processing,
          count(*) FILTER (WHERE d.status = 'dead') AS dead,
+         count(*) FILTER (WHERE d.status = 'dead' AND d.is_head AND d.ordering_key IS NOT NULL)
+           AS blocked,
          min(d.available_at) FILTER (WHERE d.status = 'pending' AND d.available_at <= now())
            AS oldest_due
   FROM pgbus.deliveries AS d
@@ -248,7 +251,7 @@ SELECT s.name, s.patterns, s.max_attempts,
        coalesce(c.pending, 0), coalesce(c.due, 0), coalesce(c.processing, 0),
        coalesce(c.dead, 0),
        (extract(epoch FROM now()) - extract(epoch FROM c.oldest_due))::float8,
-       coalesce(done.n, 0), coalesce(live.n, 0)
+       coalesce(done.n, 0), coalesce(live.n, 0), coalesce(c.blocked, 0)
 FROM pgbus.subscriptions AS s
 LEFT JOIN counts AS c ON c.subscription = s.name
 LEFT JOIN done ON done.subscription = s.name
@@ -296,16 +299,18 @@ WHERE d.status = 'dead'
 ORDER BY d.event_seq, d.subscription
 LIMIT $3::int8";
 
-/// Counts dead letters. Parameters as [`DEAD_LIST`] without the limit.
+/// Counts dead letters. Parameters as [`DEAD_LIST`] without the limit: `$1`
+/// subscription, `$2` event id, `$3`, `$4` only after this (event seq, subscription).
 pub const DEAD_COUNT: &str = "\
 SELECT count(*) FROM pgbus.deliveries AS d
 WHERE d.status = 'dead'
   AND ($1::text IS NULL OR d.subscription = $1)
-  AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))";
+  AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
+  AND ($3::int8 IS NULL OR (d.event_seq, d.subscription) > ($3, $4::text))";
 
 /// Puts dead letters back to pending, due now, with their attempts reset to 0 and no
 /// lease; their failure history is kept. Notifies the listening buses when any was
-/// retried. Parameters as [`DEAD_COUNT`]. Returns one row: how many were retried, how
+/// retried. Parameters `$1`, `$2` as [`DEAD_COUNT`]. Returns one row: how many were retried, how
 /// many notifications it sent (0 or 1), and the subscriptions and keys of retried
 /// deliveries of ordered subscriptions that had been skipped (not heads): their keys may
 /// need a head ([`ENSURE_HEADS`]).

@@ -978,3 +978,70 @@ async fn keys_lists_a_blocked_key_and_skip_lets_it_go_on() {
     assert_eq!(out.code, 1, "{out:?}");
     assert_eq!(consumer.terminate().await, 0);
 }
+
+/// `dead list` is a page at a time: it says how many more there are and how to list
+/// them, and the cursor walks every dead letter once. What a terminal would interpret
+/// (an escape sequence, a bidirectional override in a stored error) is printed escaped.
+#[tokio::test]
+async fn dead_list_pages_and_escapes_what_a_terminal_would_interpret() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    register(&client, "m", &["*"]).await;
+    for n in 0..5 {
+        pgbus::publish(
+            &client,
+            &pgbus::Event::new("a.b", json!({})).id(format!("e{n}")),
+        )
+        .await
+        .unwrap();
+    }
+    client
+        .batch_execute(
+            "UPDATE pgbus.deliveries SET status = 'dead', attempts = 1,
+                    last_error = 'boom' || chr(27) || '[2J' || chr(8238) || 'txt'",
+        )
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut args: Vec<String> = vec!["dead".into(), "list".into(), "--limit".into(), "2".into()];
+    for expected_more in [Some(3), Some(1), None] {
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = run(pgbus_on(&db), &argv).await.ok();
+        assert!(!out.stdout.contains('\u{1b}'), "{out:?}");
+        assert!(!out.stdout.contains('\u{202e}'), "{out:?}");
+        assert!(out.stdout.contains("boom\\u{1b}[2J\\u{202e}txt"), "{out:?}");
+        seen.extend(
+            out.stdout
+                .lines()
+                .filter_map(|l| l.split_whitespace().nth(1))
+                .filter(|id| id.starts_with('e'))
+                .map(str::to_string),
+        );
+        let more = out.stdout.lines().find(|l| l.contains(" more: "));
+        match expected_more {
+            Some(n) => {
+                let line = more.unwrap_or_else(|| panic!("no 'more' line: {out:?}"));
+                assert!(line.starts_with(&format!("{n} more: ")), "{line}");
+                let cursor = line
+                    .split("--after ")
+                    .nth(1)
+                    .unwrap()
+                    .split(' ')
+                    .next()
+                    .unwrap();
+                args = vec![
+                    "dead".into(),
+                    "list".into(),
+                    "--limit".into(),
+                    "2".into(),
+                    "--after".into(),
+                    cursor.to_string(),
+                ];
+            }
+            None => assert!(more.is_none(), "{out:?}"),
+        }
+    }
+    assert_eq!(seen, ["e0", "e1", "e2", "e3", "e4"]);
+    let bad = run(pgbus_on(&db), &["dead", "list", "--after", "nope"]).await;
+    assert_eq!(bad.code, 2, "{bad:?}");
+}

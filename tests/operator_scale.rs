@@ -128,7 +128,8 @@ async fn operator_queries_are_set_based_and_bounded() {
         .unwrap();
     report("dead list, first page of 100", t);
     let t = Instant::now();
-    let next = admin::dead_letters_after(&client, &DeadLetterFilter::all(), 100, page.last())
+    let cursor = page.last().map(admin::DeadLetter::cursor);
+    let next = admin::dead_letters_after(&client, &DeadLetterFilter::all(), 100, cursor.as_ref())
         .await
         .unwrap();
     report("dead list, second page of 100", t);
@@ -138,7 +139,7 @@ async fn operator_queries_are_set_based_and_bounded() {
     }
     let t = Instant::now();
     let mut seen = 0;
-    let mut last: Option<admin::DeadLetter> = None;
+    let mut last: Option<admin::DeadLetterCursor> = None;
     let filter = DeadLetterFilter::all().subscription("sub1");
     loop {
         let page = admin::dead_letters_after(&client, &filter, 50, last.as_ref())
@@ -146,7 +147,7 @@ async fn operator_queries_are_set_based_and_bounded() {
             .unwrap();
         seen += page.len() as i64;
         match page.last() {
-            Some(l) if page.len() == 50 => last = Some(l.clone()),
+            Some(l) if page.len() == 50 => last = Some(l.cursor()),
             _ => break,
         }
     }

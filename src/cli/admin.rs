@@ -23,9 +23,12 @@ Examples:
         /// Only this event's.
         #[arg(long, value_name = "ID")]
         event: Option<String>,
-        /// The most to list.
+        /// The most to list (a page).
         #[arg(long, default_value_t = 100)]
         limit: i64,
+        /// List the page after this place (SEQ/SUBSCRIPTION, as the previous page says).
+        #[arg(long, value_name = "SEQ/SUBSCRIPTION")]
+        after: Option<String>,
         /// Print a JSON array.
         #[arg(long)]
         json: bool,
@@ -112,8 +115,14 @@ pub(crate) async fn dead(command: DeadCommand, url: Option<&str>) -> Result<(), 
             subscription,
             event,
             limit,
+            after,
             json,
         } => {
+            if limit < 1 {
+                return Err(usage("error: --limit must be at least 1"));
+            }
+            let after: Option<admin::DeadLetterCursor> =
+                after.as_deref().map(str::parse).transpose()?;
             let mut filter = DeadLetterFilter::all();
             if let Some(s) = subscription {
                 filter = filter.subscription(s);
@@ -121,7 +130,14 @@ pub(crate) async fn dead(command: DeadCommand, url: Option<&str>) -> Result<(), 
             if let Some(e) = event {
                 filter = filter.event_id(e);
             }
-            let dead = admin::dead_letters(&client, &filter, limit).await?;
+            let dead = admin::dead_letters_after(&client, &filter, limit, after.as_ref()).await?;
+            let next = dead.last().map(admin::DeadLetter::cursor);
+            let more = match (&next, dead.len() as i64 == limit) {
+                (Some(next), true) => {
+                    admin::count_dead_letters_after(&client, &filter, Some(next)).await?
+                }
+                _ => 0,
+            };
             if json {
                 let items: Vec<_> = dead
                     .iter()
@@ -169,6 +185,9 @@ pub(crate) async fn dead(command: DeadCommand, url: Option<&str>) -> Result<(), 
                         &rows
                     )
                 )?;
+                if let (Some(next), true) = (next, more > 0) {
+                    outln!("{more} more: pgbus dead list --after {next} (with the same filters)")?;
+                }
             }
         }
         DeadCommand::Retry {
@@ -245,10 +264,18 @@ fn confirm(question: &str) -> Result<bool, Failure> {
     Ok(matches!(answer.trim(), "y" | "Y" | "yes"))
 }
 
+/// The text on one line (line breaks and tabs as spaces), cut at `max` characters; the
+/// table escapes what else a terminal would interpret.
 fn one_line(text: &str, max: usize) -> String {
     let flat: String = text
         .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
+        .map(|c| {
+            if matches!(c, '\n' | '\r' | '\t') {
+                ' '
+            } else {
+                c
+            }
+        })
         .collect();
     if flat.chars().count() > max {
         format!("{}...", flat.chars().take(max).collect::<String>())

@@ -439,8 +439,17 @@ async fn exec_delivery(ctx: &Ctx, delivery: Delivery) {
     }
 }
 
+/// A delivery's id, as a terminal shows it safely (ids stored before pgbus refused
+/// control characters may still hold them), and its attempt.
+fn shown(delivery: &Delivery) -> (String, i32) {
+    (
+        super::visible(&delivery.event().id).into_owned(),
+        delivery.attempt(),
+    )
+}
+
 async fn ack(ctx: &Ctx, delivery: Delivery) {
-    let (id, attempt) = (delivery.event().id.clone(), delivery.attempt());
+    let (id, attempt) = shown(&delivery);
     match delivery.ack().await {
         Ok(()) => {
             ctx.counts.acked.fetch_add(1, Ordering::Relaxed);
@@ -450,8 +459,11 @@ async fn ack(ctx: &Ctx, delivery: Delivery) {
 }
 
 async fn fail(ctx: &Ctx, delivery: Delivery, error: String) {
-    let (id, attempt) = (delivery.event().id.clone(), delivery.attempt());
-    eprintln!("pgbus: event {id} attempt {attempt} failed: {error}");
+    let (id, attempt) = shown(&delivery);
+    eprintln!(
+        "pgbus: event {id} attempt {attempt} failed: {}",
+        super::visible(&error)
+    );
     match delivery.fail(HandlerError::new(error)).await {
         Ok(()) => {
             ctx.counts.failed.fetch_add(1, Ordering::Relaxed);
@@ -465,7 +477,7 @@ async fn fail(ctx: &Ctx, delivery: Delivery, error: String) {
 /// Gives a delivery back to the subscription because pgbus, not the event, failed: it
 /// is pending again at once, its attempt not consumed, no failure recorded.
 async fn give_back(ctx: &Ctx, delivery: Delivery, reason: &str) {
-    let (id, attempt) = (delivery.event().id.clone(), delivery.attempt());
+    let (id, attempt) = shown(&delivery);
     match delivery.release().await {
         Ok(()) => {
             ctx.counts.released.fetch_add(1, Ordering::Relaxed);

@@ -249,7 +249,33 @@ pub(crate) fn human_duration(d: Duration) -> String {
 }
 
 /// Lays out rows under headers in left-aligned columns.
+/// Text as a terminal may show it: control characters and invisible formatting
+/// characters (which could move the cursor, clear the screen or reverse the text around
+/// them) written as `\u{..}` escapes. Everything printed for people goes through it;
+/// JSON output escapes by itself.
+pub(crate) fn visible(text: &str) -> std::borrow::Cow<'_, str> {
+    let hidden = |c: char| c.is_control() || pgbus::is_invisible(c);
+    if !text.chars().any(hidden) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if hidden(c) {
+            out.push_str(&format!("\\u{{{:x}}}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// A table for people: columns aligned, every cell passed through [`visible`].
 pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| r.iter().map(|c| visible(c).into_owned()).collect())
+        .collect();
+    let rows = &rows;
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -377,5 +403,15 @@ mod tests {
     fn tables_align_their_columns() {
         let t = table(&["A", "BBB"], &[vec!["xx".into(), "y".into()]]);
         assert_eq!(t, "A   BBB\nxx  y\n");
+    }
+
+    #[test]
+    fn what_a_terminal_would_interpret_is_escaped() {
+        assert_eq!(visible("plain ü"), "plain ü");
+        assert_eq!(visible("a\u{1b}[2Jb"), "a\\u{1b}[2Jb");
+        assert_eq!(visible("x\ry"), "x\\u{d}y");
+        assert_eq!(visible("\u{202e}exe.txt"), "\\u{202e}exe.txt");
+        let t = table(&["A"], &[vec!["\u{200b}".into()]]);
+        assert_eq!(t, "A\n\\u{200b}\n");
     }
 }

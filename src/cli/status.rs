@@ -1,6 +1,5 @@
 //! `pgbus status`: the state of every subscription, once or refreshed in place.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::IsTerminal as _;
 use std::time::Duration;
@@ -69,25 +68,12 @@ pub(crate) async fn run(args: StatusArgs, url: Option<&str>) -> Result<(), Failu
     }
 }
 
-/// The status, and per subscription the keys blocked by a dead head (ordered ones).
-type Read = (Status, HashMap<String, i64>);
-
-async fn read(client: &tokio_postgres::Client, only: Option<&str>) -> Result<Read, Failure> {
-    let mut status = admin::status(client).await?;
-    if let Some(name) = only {
-        let one = admin::subscription_status(client, name).await?;
-        status.subscriptions = vec![one];
-    }
-    let mut blocked: HashMap<String, i64> = HashMap::new();
-    for key in pgbus::ordering::blocked_keys(client, only).await? {
-        *blocked.entry(key.subscription).or_default() += 1;
-    }
-    Ok((status, blocked))
+async fn read(client: &tokio_postgres::Client, only: Option<&str>) -> Result<Status, Failure> {
+    Ok(admin::status_of(client, only).await?)
 }
 
 /// The status as printed: a table, or one line of JSON.
-fn show((status, blocked): &Read, as_json: bool) -> String {
-    let blocked_of = |name: &str| blocked.get(name).copied().unwrap_or(0);
+fn show(status: &Status, as_json: bool) -> String {
     if as_json {
         let subs: Vec<_> = status
             .subscriptions
@@ -101,7 +87,7 @@ fn show((status, blocked): &Read, as_json: bool) -> String {
                     "due": s.due,
                     "processing": s.processing,
                     "dead": s.dead,
-                    "blocked_keys": blocked_of(&s.name),
+                    "blocked_keys": s.blocked_keys,
                     "lag_seconds": s.oldest_due_age.map(|d| d.as_secs_f64()),
                     "done_last_minute": s.done_last_minute,
                     "consumers": s.consumers,
@@ -128,7 +114,7 @@ fn show((status, blocked): &Read, as_json: bool) -> String {
                 s.due.to_string(),
                 s.processing.to_string(),
                 s.dead.to_string(),
-                blocked_of(&s.name).to_string(),
+                s.blocked_keys.to_string(),
                 s.oldest_due_age.map_or("-".into(), human_duration),
                 s.done_last_minute.to_string(),
                 s.consumers.to_string(),
