@@ -497,3 +497,25 @@ async fn a_reader_that_goes_away_stops_consume_with_exit_1_and_dead_letters_noth
         "lines not written stay pending: {stderr}"
     );
 }
+
+/// A subscription dropped under a running `consume` stops it with exit 1 and a message
+/// that says so, instead of leaving it idle on nothing (noticed at the bus's consumer
+/// heartbeat, every 10 s).
+#[tokio::test]
+async fn consume_stops_when_its_subscription_is_dropped() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut cmd = pgbus_on(&db);
+    cmd.args(["consume", "-s", "gone", "-p", "gone.*"])
+        .stdout(Stdio::null());
+    let (mut child, stderr) = start_consume(cmd).await;
+    pgbus::admin::drop_subscription(&client, "gone", true)
+        .await
+        .unwrap();
+    let status = common::within("consume to stop", Duration::from_secs(40), child.wait())
+        .await
+        .unwrap();
+    let stderr = stderr.all().await;
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("was dropped"), "{stderr}");
+}

@@ -199,7 +199,8 @@ struct Ctx {
 }
 
 impl Ctx {
-    /// Records the first output failure and stops the consumer.
+    /// Records why the consumer must stop with a failure (its own output failed, its
+    /// subscription was dropped) and stops it.
     fn output_failed(&self, failure: Failure) {
         let mut slot = self
             .output_failure
@@ -304,9 +305,24 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         }
     };
     let mut work_done = false;
+    // A subscription dropped by an operator under a running consumer: stop, loudly,
+    // instead of idling on nothing.
+    let dropped = async {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            if let Some(name) = running.dropped_subscriptions().first() {
+                return failed(format!(
+                    "error: subscription {name:?} was dropped while this consumer ran; \
+                     stopping (start it again to register it anew)"
+                ));
+            }
+        }
+    };
     tokio::select! {
         () = &mut work => work_done = true,
         () = ctx.stop.cancelled() => {}
+        failure = dropped => ctx.output_failed(failure),
     }
     eprintln!("pgbus: stopping: finishing deliveries in progress");
     // Keep handling what was handed out while the bus drains; at the deadline the
