@@ -86,80 +86,74 @@ BEGIN
 END
 $$;
 
--- The subscriptions each of these event names matches, with their ordering: one read of
--- pgbus.subscriptions in the caller's snapshot (STABLE).
-CREATE FUNCTION pgbus.matching_subscriptions(names text[])
-RETURNS TABLE (event_name text, subscription text, ordered boolean)
+-- The subscriptions an event name matches, with their ordering. A plain SQL function
+-- taking a column, so that the planner inlines it into the fan-out's statements (whose
+-- plans the trigger caches) instead of planning it on every call; migration 6 replaces
+-- its body with an index lookup.
+CREATE FUNCTION pgbus.subscriptions_matching(event_name text)
+RETURNS TABLE (subscription text, ordered boolean)
 LANGUAGE sql STABLE AS $$
-    SELECT n.name, s.name, s.ordered
-    FROM unnest(names) AS n(name)
-    JOIN pgbus.subscriptions AS s
-      ON EXISTS (SELECT 1 FROM unnest(s.patterns) AS p WHERE pgbus.pattern_matches(p, n.name))
+    SELECT s.name, s.ordered
+    FROM pgbus.subscriptions AS s
+    WHERE EXISTS (SELECT 1 FROM unnest(s.patterns) AS p
+                  WHERE pgbus.pattern_matches(p, subscriptions_matching.event_name))
 $$;
 
 -- Fan-out, rewritten:
--- * it takes the configuration lock shared before reading the subscriptions, and reads
---   them once: every delivery of this statement follows one version of the settings;
+-- * it takes the configuration lock shared before reading the subscriptions, so their
+--   ordering cannot change until this transaction ends: the unordered and the ordered
+--   statements below see the same ordered flags, and no publish is split between two
+--   modes;
 -- * under REPEATABLE READ or SERIALIZABLE, whose snapshot may be older than a change of
---   the settings, it locks the subscriptions it read: one changed since the snapshot
---   raises a serialization failure (40001: retry the transaction) instead of filing
---   deliveries under stale settings;
+--   the settings, it locks the subscriptions it matched FOR SHARE: one changed since
+--   the snapshot raises a serialization failure (40001: retry the transaction) instead
+--   of filing deliveries under stale settings;
 -- * heads are decided from what the key locks protect, not from the snapshot (below).
+-- With no ordered subscription and READ COMMITTED it is two statements, as before.
 CREATE OR REPLACE FUNCTION pgbus.fan_out() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp SET jit = off AS $$
 DECLARE
     v_subs text[];
-    v_seqs bigint[];
-    v_avail timestamptz[];
     v_keys text[];
-    v_lock_subs text[];
-    v_lock_keys text[];
     v_pos bigint;
     v_first record;
-    v_lock_timeout text := pg_catalog.current_setting('lock_timeout');
+    v_lock_timeout text;
     v_snapshot boolean := pg_catalog.current_setting('transaction_isolation') <> 'read committed';
 BEGIN
     PERFORM pgbus.lock_config(false);
 
-    -- One read of the subscriptions: (subscription, event, due, key). The key is set
-    -- only where the subscription is ordered and the event has one.
-    SELECT array_agg(m.sub), array_agg(m.seq), array_agg(m.available_at), array_agg(m.key)
-      INTO v_subs, v_seqs, v_avail, v_keys
-    FROM (SELECT s.subscription AS sub, e.seq, e.available_at,
-                 CASE WHEN s.ordered
-                      THEN pgbus.event_key(e.ordering_key, e.aggregate_type, e.aggregate_id)
-                 END AS key
-          FROM new_events AS e
-          JOIN pgbus.matching_subscriptions(ARRAY(SELECT DISTINCT n.event_name FROM new_events AS n)) AS s
-            ON s.event_name = e.event_name) AS m;
-    IF v_subs IS NULL THEN
-        RETURN NULL;
-    END IF;
-
     IF v_snapshot THEN
         -- Fails with 40001 if a matched subscription changed since this snapshot.
         PERFORM 1 FROM pgbus.subscriptions AS s
-        WHERE s.name = ANY (v_subs)
+        WHERE s.name IN (SELECT m.subscription FROM new_events AS e,
+                                pgbus.subscriptions_matching(e.event_name) AS m)
         ORDER BY s.name
         FOR SHARE;
     END IF;
 
-    -- Unordered deliveries, and events without a key: every one is a head.
+    -- Unordered subscriptions, and events without a key: every delivery is a head.
     INSERT INTO pgbus.deliveries (subscription, event_seq, available_at)
-    SELECT t.sub, t.seq, t.available_at
-    FROM unnest(v_subs, v_seqs, v_avail, v_keys) AS t(sub, seq, available_at, key)
-    WHERE t.key IS NULL;
+    SELECT m.subscription, e.seq, e.available_at
+    FROM new_events AS e, pgbus.subscriptions_matching(e.event_name) AS m
+    WHERE NOT (m.ordered
+               AND pgbus.event_key(e.ordering_key, e.aggregate_type, e.aggregate_id) IS NOT NULL);
 
-    SELECT array_agg(k.sub), array_agg(k.key) INTO v_lock_subs, v_lock_keys
-    FROM (SELECT DISTINCT t.sub, t.key FROM unnest(v_subs, v_keys) AS t(sub, key)
-          WHERE t.key IS NOT NULL) AS k;
-    IF v_lock_subs IS NULL THEN
+    IF NOT EXISTS (SELECT 1 FROM pgbus.subscriptions WHERE ordered) THEN
         RETURN NULL;
     END IF;
 
-    -- Ordered: lock the keys, then decide heads with a fresh snapshot (the statements
-    -- below), which sees every earlier holder's committed rows.
-    PERFORM pgbus.lock_keys(v_lock_subs, v_lock_keys);
+    -- Ordered: lock the keys first, then decide heads with a fresh snapshot (the next
+    -- statement), which sees every earlier holder's committed rows.
+    SELECT array_agg(k.sub), array_agg(k.key) INTO v_subs, v_keys
+    FROM (SELECT DISTINCT m.subscription AS sub,
+                 pgbus.event_key(e.ordering_key, e.aggregate_type, e.aggregate_id) AS key
+          FROM new_events AS e, pgbus.subscriptions_matching(e.event_name) AS m
+          WHERE m.ordered) AS k
+    WHERE k.key IS NOT NULL;
+    IF v_subs IS NULL THEN
+        RETURN NULL;
+    END IF;
+    PERFORM pgbus.lock_keys(v_subs, v_keys);
     v_pos := nextval('pgbus.key_pos_seq');
 
     -- Under READ COMMITTED this statement's snapshot is fresh (taken after the locks):
@@ -169,21 +163,27 @@ BEGIN
     -- the head, checked at once against the one-head constraint, which reads the latest
     -- committed rows: it becomes the head exactly when the key has none.
     INSERT INTO pgbus.deliveries (subscription, event_seq, available_at, ordering_key, is_head, key_pos)
-    SELECT t.sub, t.seq, t.available_at, t.key,
+    SELECT o.sub, o.seq, o.available_at, o.key,
            NOT v_snapshot
-             AND row_number() OVER (PARTITION BY t.sub, t.key ORDER BY t.seq) = 1
+             AND row_number() OVER (PARTITION BY o.sub, o.key ORDER BY o.seq) = 1
              AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
-                             WHERE d.subscription = t.sub AND d.ordering_key = t.key AND d.is_head),
+                             WHERE d.subscription = o.sub AND d.ordering_key = o.key AND d.is_head),
            v_pos
-    FROM unnest(v_subs, v_seqs, v_avail, v_keys) AS t(sub, seq, available_at, key)
-    WHERE t.key IS NOT NULL;
+    FROM (SELECT m.subscription AS sub, e.seq, e.available_at,
+                 pgbus.event_key(e.ordering_key, e.aggregate_type, e.aggregate_id) AS key
+          FROM new_events AS e, pgbus.subscriptions_matching(e.event_name) AS m
+          WHERE m.ordered) AS o
+    WHERE o.key IS NOT NULL;
 
     IF v_snapshot THEN
+        v_lock_timeout := pg_catalog.current_setting('lock_timeout');
         FOR v_first IN
-            SELECT DISTINCT ON (t.sub, t.key) t.sub, t.key, t.seq
-            FROM unnest(v_subs, v_seqs, v_keys) AS t(sub, seq, key)
-            WHERE t.key IS NOT NULL
-            ORDER BY t.sub, t.key, t.seq
+            SELECT DISTINCT ON (d.subscription, d.ordering_key)
+                   d.subscription AS sub, d.ordering_key AS key, d.event_seq AS seq
+            FROM pgbus.deliveries AS d
+            JOIN new_events AS e ON d.event_seq = e.seq
+            WHERE d.ordering_key IS NOT NULL
+            ORDER BY d.subscription, d.ordering_key, d.event_seq
         LOOP
             -- The check may have to wait for a transaction that is changing the key's
             -- head row (a claim), whose own check at commit may wait for this one: it

@@ -52,8 +52,8 @@ INSERT INTO pgbus.subscription_patterns (prefix, exact, subscription)
 SELECT DISTINCT k.prefix, k.exact, s.name
 FROM pgbus.subscriptions AS s, unnest(s.patterns) AS p(pattern), pgbus.pattern_key(p.pattern) AS k;
 
--- What an event name probes: itself (exact), and every prefix that ends at a dot,
--- including the empty one ('*').
+-- What an event name probes: itself (exact), the empty prefix ('*'), and every prefix
+-- that ends at a dot. A plain SQL function, inlined where it is called.
 CREATE FUNCTION pgbus.name_keys(name text, OUT prefix text, OUT exact boolean)
 RETURNS SETOF record
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
@@ -61,21 +61,21 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     UNION ALL
     SELECT '', false
     UNION ALL
-    SELECT left(name, pos), false
-    FROM (SELECT pos FROM generate_series(1, length(name)) AS pos
-          WHERE substr(name, pos, 1) = '.') AS dots
+    SELECT array_to_string(parts[1:i], '.') || '.', false
+    FROM (SELECT string_to_array(name, '.') AS parts) AS s,
+         generate_series(1, cardinality(parts) - 1) AS i
 $$;
 
--- The indexed match, same contract as before (one read, in the caller's snapshot).
-CREATE OR REPLACE FUNCTION pgbus.matching_subscriptions(names text[])
-RETURNS TABLE (event_name text, subscription text, ordered boolean)
+-- The indexed match: same contract as before, inlined into the fan-out's statements.
+CREATE OR REPLACE FUNCTION pgbus.subscriptions_matching(event_name text)
+RETURNS TABLE (subscription text, ordered boolean)
 LANGUAGE sql STABLE AS $$
-    SELECT m.name, s.name, s.ordered
-    FROM (SELECT DISTINCT n.name, p.subscription
-          FROM unnest(names) AS n(name)
-          CROSS JOIN LATERAL pgbus.name_keys(n.name) AS k
-          JOIN pgbus.subscription_patterns AS p ON p.prefix = k.prefix AND p.exact = k.exact) AS m
-    JOIN pgbus.subscriptions AS s ON s.name = m.subscription
+    SELECT s.name, s.ordered
+    FROM pgbus.subscriptions AS s
+    WHERE s.name IN (SELECT p.subscription
+                     FROM pgbus.name_keys(subscriptions_matching.event_name) AS k
+                     JOIN pgbus.subscription_patterns AS p
+                       ON p.prefix = k.prefix AND p.exact = k.exact)
 $$;
 
 -- Operators read the index too (status); consumers need nothing new: the trigger writes it.

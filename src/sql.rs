@@ -232,8 +232,7 @@ recent AS (
 done AS (
   SELECT m.subscription, count(*) AS n
   FROM recent AS e
-  JOIN pgbus.matching_subscriptions(ARRAY(SELECT DISTINCT r.event_name FROM recent AS r)) AS m
-    ON m.event_name = e.event_name
+  CROSS JOIN LATERAL pgbus.subscriptions_matching(e.event_name) AS m
   JOIN pgbus.subscriptions AS s ON s.name = m.subscription
   WHERE ($1::text IS NULL OR m.subscription = $1)
     AND e.created_at >= s.created_at

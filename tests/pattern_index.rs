@@ -51,7 +51,8 @@ async fn the_pattern_index_matches_exactly_what_pattern_matches_says() {
     let names = names();
     let rows = client
         .query(
-            "SELECT m.event_name, m.subscription FROM pgbus.matching_subscriptions($1) AS m",
+            "SELECT n, m.subscription FROM unnest($1::text[]) AS n,
+                    pgbus.subscriptions_matching(n) AS m",
             &[&names],
         )
         .await
