@@ -430,12 +430,21 @@ async fn a_stdout_that_takes_nothing_for_the_output_timeout_stops_consume_with_e
 }
 
 #[tokio::test]
-async fn a_full_stdout_stops_consume_with_exit_1_and_dead_letters_nothing() {
+async fn a_full_stdout_stops_consume_with_exit_1_and_charges_nothing() {
     let db = common::test_db().await;
     let client = db.connect().await;
     let mut cmd = pgbus_on(&db);
-    cmd.args(["consume", "-s", "full", "-p", "full.*"])
-        .stdout(std::fs::File::create("/dev/full").unwrap());
+    // One attempt each: a delivery charged for pgbus's own failure would die of it.
+    cmd.args([
+        "consume",
+        "-s",
+        "full",
+        "-p",
+        "full.*",
+        "--max-attempts",
+        "1",
+    ])
+    .stdout(std::fs::File::create("/dev/full").unwrap());
     let (mut child, stderr) = start_consume(cmd).await;
     publish(&db, "full.job", 5, "").await;
     let status = common::within("consume to stop", STOPS_WITHIN, child.wait())
@@ -458,15 +467,24 @@ async fn a_full_stdout_stops_consume_with_exit_1_and_dead_letters_nothing() {
         5,
         "nothing acked, nothing left processing: {stderr}"
     );
+    nothing_charged(&client, &stderr).await;
 }
 
 #[tokio::test]
-async fn a_reader_that_goes_away_stops_consume_with_exit_1_and_dead_letters_nothing() {
+async fn a_reader_that_goes_away_stops_consume_with_exit_1_and_charges_nothing() {
     let db = common::test_db().await;
     let client = db.connect().await;
     let mut cmd = pgbus_on(&db);
-    cmd.args(["consume", "-s", "head", "-p", "head.*"])
-        .stdout(Stdio::piped());
+    cmd.args([
+        "consume",
+        "-s",
+        "head",
+        "-p",
+        "head.*",
+        "--max-attempts",
+        "1",
+    ])
+    .stdout(Stdio::piped());
     let (mut child, stderr) = start_consume(cmd).await;
     let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
     publish(&db, "head.job", 20, "").await;
@@ -495,6 +513,26 @@ async fn a_reader_that_goes_away_stops_consume_with_exit_1_and_dead_letters_noth
     assert!(
         count(&client, "SELECT count(*) FROM pgbus.deliveries").await > 0,
         "lines not written stay pending: {stderr}"
+    );
+    nothing_charged(&client, &stderr).await;
+}
+
+/// Every delivery left is pending with no attempt used and no failure recorded: pgbus's
+/// own output failure is never charged to an event.
+async fn nothing_charged(client: &tokio_postgres::Client, stderr: &str) {
+    assert_eq!(
+        count(
+            client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status <> 'pending' OR attempts <> 0"
+        )
+        .await,
+        0,
+        "{stderr}"
+    );
+    assert_eq!(
+        count(client, "SELECT count(*) FROM pgbus.delivery_failures").await,
+        0,
+        "{stderr}"
     );
 }
 
