@@ -478,6 +478,23 @@ enum Fault {
 }
 
 /// How many deliveries `worker` holds (processing, or reaped and not claimed again).
+/// What a stopped worker holds once the statements it had sent have finished: the count
+/// of its deliveries, once it reads the same three times 200 ms apart (at most 10 s).
+async fn settled_held_by(config: &Config, worker: &str) -> u64 {
+    let mut last = u64::MAX;
+    let mut same = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await; // sampling period
+        let now = held_by(config, worker).await;
+        same = if now == last { same + 1 } else { 0 };
+        last = now;
+        if same >= 2 || tokio::time::Instant::now() > deadline {
+            return now;
+        }
+    }
+}
+
 async fn held_by(config: &Config, worker: &str) -> u64 {
     let client = connect(config).await.expect("connecting");
     let held: i64 = client
@@ -592,9 +609,10 @@ async fn inject(
             let mut held = 0;
             for _ in 0..10 {
                 signal(target.pid(), "-STOP");
-                // Let statements it had already sent finish, then see what it holds.
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                held = held_by(config, &worker).await;
+                // Let statements it had already sent finish (a settlement it sent just
+                // before the stop would otherwise complete what we count as held), then
+                // see what it holds: the count must stay the same over three reads.
+                held = settled_held_by(config, &worker).await;
                 if held > 0 {
                     break;
                 }
