@@ -104,7 +104,7 @@ pub async fn register_subscription<C: Executor + ?Sized, S: AsRef<str>>(
 
 /// A subscription's settings as stored in `pgbus.subscriptions`: what every consumer of
 /// it follows.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct SubscriptionSettings {
     /// Event-name patterns (`order.placed`, `order.*`, `*`).
@@ -373,7 +373,7 @@ pub(crate) async fn join_subscription<C: Executor + ?Sized>(
 }
 
 /// One subscription's state, from [`status`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[non_exhaustive]
 pub struct SubscriptionStatus {
     /// The subscription's name.
@@ -403,7 +403,7 @@ pub struct SubscriptionStatus {
 }
 
 /// The bus's state, from [`status`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Status {
     /// Every subscription, by name.
@@ -564,7 +564,7 @@ impl DeadLetterFilter {
 }
 
 /// A delivery that ran out of attempts or failed permanently, from [`dead_letters`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct DeadLetter {
     /// The subscription.
@@ -586,7 +586,7 @@ pub struct DeadLetter {
 /// A place in the listing of dead letters (oldest event first): the next page starts
 /// after it. Written `SEQ/SUBSCRIPTION` (`1042/mailer`), as `pgbus dead list --after`
 /// takes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct DeadLetterCursor {
     event_seq: i64,
     subscription: String,
@@ -761,7 +761,7 @@ pub async fn retry_dead_letters<C: Executor + ?Sized>(
 }
 
 /// What [`purge_dead_letters`] deleted.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Purged {
     /// Dead letters deleted.
@@ -792,7 +792,7 @@ pub async fn purge_dead_letters<C: Executor + ?Sized>(
 }
 
 /// What [`replay`] did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Replayed {
     /// Events in the range that the subscription (and the pattern, if any) matches.
@@ -849,7 +849,7 @@ pub async fn replay<C: Executor + ?Sized>(
 }
 
 /// A registered subscription, from [`subscriptions`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct SubscriptionInfo {
     /// The name.
@@ -889,7 +889,7 @@ pub async fn subscriptions<C: Executor + ?Sized>(client: &C) -> Result<Vec<Subsc
 }
 
 /// What [`drop_subscription`] deleted.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Dropped {
     /// Deliveries deleted (pending, processing and dead).
@@ -939,7 +939,7 @@ pub async fn drop_subscription<C: Executor + ?Sized>(
 }
 
 /// What a retention sweep did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Swept {
     /// Events deleted from the log.

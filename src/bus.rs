@@ -1,28 +1,34 @@
-//! The bus: its builder, and the running bus that ties the listener, the claimer, the
-//! dispatcher, the acker and the maintenance tasks together.
+//! The bus: its builder, and the running bus that starts the rooms of the delivery path
+//! (listen, claim, dispatch, settle, maintain) and stops them within one deadline.
+//!
+//! This is the only module that knows every room; each room is handed just the handles
+//! it needs.
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{FutureExt, StreamExt};
-use tokio::sync::{Notify, Semaphore, mpsc};
-use tokio::task::JoinSet;
+use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::Instrument;
 
-use crate::claim::{self, ClaimStream};
-use crate::dispatch::{
-    DynHandler, FnHandler, Handler, SubRuntime, SubscriptionOptions, Target, panic_message,
-};
+use crate::backoff::WarnGate;
+use crate::claim::{Claimer, Pacing};
+use crate::conn::{self, Session};
+use crate::delivery::{Delivery, Subscription};
+use crate::dispatch::{Dispatcher, Target};
 use crate::error::{Error, HandlerError, Result};
 use crate::event::Event;
+use crate::handler::{DynHandler, FnHandler, Handler, SubscriptionOptions};
+use crate::listen::{Listener, Wake};
+use crate::maintain::{Consumer, Maintainer, Schedule};
 use crate::retry::RetryPolicy;
-use crate::subscribe::{Action, SettleMsg, Subscription};
+use crate::settle::{Acker, Settler};
+use crate::shutdown::Shutdown;
+use crate::slot::{Slots, Sub};
+use crate::stats::{Counters, Stats};
 
 /// Default fallback poll interval: 1 s. Bounds the latency when a notification is lost.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
@@ -51,17 +57,6 @@ pub const DEFAULT_CLAIM_BYTES: usize = 16 * 1024 * 1024;
 
 /// Default retention of the log: 7 days (see [`BusBuilder::retention`]).
 pub const DEFAULT_RETENTION: Duration = crate::admin::DEFAULT_RETENTION;
-/// How often a bus runs the retention sweep (one batch, then more batches on the
-/// following poll ticks while batches come back full).
-const SWEEP_INTERVAL: Duration = Duration::from_secs(3600);
-
-/// How long a bus's row in `pgbus.consumers` stays live without a heartbeat.
-pub(crate) const CONSUMER_TTL: Duration = Duration::from_secs(30);
-/// How often the bus renews it.
-const CONSUMER_HEARTBEAT: Duration = Duration::from_secs(10);
-/// How often a bus with ordered subscriptions looks for keys left without a head.
-const REPAIR_INTERVAL: Duration = Duration::from_secs(300);
-
 /// The bus's settings (see the setters of [`BusBuilder`] for each default).
 #[derive(Debug, Clone)]
 pub(crate) struct Options {
@@ -83,87 +78,9 @@ pub(crate) struct Options {
     pub(crate) claim_bytes: usize,
 }
 
-/// Counters of a running bus, read with [`RunningBus::stats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Stats {
-    /// Deliveries completed (acknowledged and written).
-    pub delivered: u64,
-    /// Failed attempts written (each retried or dead-lettered).
-    pub failed: u64,
-    /// Deliveries that became dead letters here.
-    pub dead_lettered: u64,
-    /// Claimed deliveries released unstarted (at shutdown, or dropped while buffered).
-    pub released: u64,
-    /// Settlements rejected because the lease had been taken over (stale worker).
-    pub stale_rejected: u64,
-    /// Claim statements run.
-    pub claims: u64,
-    /// Wake-ups caused by a notification.
-    pub wakeups_by_notification: u64,
-    /// Wake-ups by the fallback poll timer.
-    pub wakeups_by_poll: u64,
-    /// Poll wake-ups whose claim found work that no notification had announced.
-    pub polls_found_work: u64,
-    /// Times the listener reconnected.
-    pub reconnects: u64,
-    /// Expired leases this bus returned to pending or dead-lettered.
-    pub reaped: u64,
-    /// Claim statements that failed.
-    pub claim_errors: u64,
-    /// Settlements given up: a batch that could not be written, or, once a refused batch
-    /// is split, each single settlement PostgreSQL still refuses.
-    pub settle_errors: u64,
-    /// Ordering keys found without a head and repaired (should stay 0).
-    pub repaired: u64,
-}
-
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) delivered: AtomicU64,
-    pub(crate) failed: AtomicU64,
-    pub(crate) dead_lettered: AtomicU64,
-    pub(crate) released: AtomicU64,
-    pub(crate) stale_rejected: AtomicU64,
-    pub(crate) claims: AtomicU64,
-    pub(crate) wakeups_by_notification: AtomicU64,
-    pub(crate) wakeups_by_poll: AtomicU64,
-    pub(crate) polls_found_work: AtomicU64,
-    pub(crate) reconnects: AtomicU64,
-    pub(crate) reaped: AtomicU64,
-    pub(crate) claim_errors: AtomicU64,
-    pub(crate) settle_errors: AtomicU64,
-    pub(crate) repaired: AtomicU64,
-}
-
-impl Counters {
-    fn snapshot(&self) -> Stats {
-        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        Stats {
-            delivered: r(&self.delivered),
-            failed: r(&self.failed),
-            dead_lettered: r(&self.dead_lettered),
-            released: r(&self.released),
-            stale_rejected: r(&self.stale_rejected),
-            claims: r(&self.claims),
-            wakeups_by_notification: r(&self.wakeups_by_notification),
-            wakeups_by_poll: r(&self.wakeups_by_poll),
-            polls_found_work: r(&self.polls_found_work),
-            reconnects: r(&self.reconnects),
-            reaped: r(&self.reaped),
-            claim_errors: r(&self.claim_errors),
-            settle_errors: r(&self.settle_errors),
-            repaired: r(&self.repaired),
-        }
-    }
-}
-
 /// A stream subscription's receiving end, kept so that shutdown can release what it
 /// buffered.
-type StreamRx = (
-    Arc<str>,
-    Arc<Mutex<mpsc::UnboundedReceiver<crate::subscribe::Delivery>>>,
-);
+type StreamRx = Arc<Mutex<mpsc::UnboundedReceiver<Delivery>>>;
 
 /// A handler as registered on the builder: name, patterns, handler, options.
 type HandlerSpec = (
@@ -173,51 +90,13 @@ type HandlerSpec = (
     SubscriptionOptions,
 );
 
-/// State shared by the tasks of one running bus.
-pub(crate) struct Shared {
-    pub(crate) pool: deadpool_postgres::Pool,
-    pub(crate) worker_id: String,
-    pub(crate) opts: Options,
-    pub(crate) subs: HashMap<Arc<str>, Arc<SubRuntime>>,
-    /// Wakes the claimer (coalescing: many wake-ups while it claims make one more claim).
-    pub(crate) wake: Notify,
-    /// Set when the pending wake-up came from a notification.
-    pub(crate) notified: AtomicBool,
-    /// Signalled whenever a delivery is settled (a slot may have freed).
-    pub(crate) capacity_changed: Notify,
-    /// Slots for claimed, unsettled deliveries: concurrency plus one batch.
-    pub(crate) capacity: Arc<Semaphore>,
-    /// Deliveries claimed and not yet settled in the database, with their attempt.
-    pub(crate) held: Mutex<HashMap<(Arc<str>, i64), i32>>,
-    pub(crate) settle_tx: mpsc::UnboundedSender<SettleMsg>,
-    pub(crate) stats: Counters,
-    pub(crate) listening: AtomicBool,
-    /// Warnings at the start of an outage, at most one a minute per task.
-    pub(crate) claim_warn: crate::listen::WarnGate,
-    pub(crate) settle_warn: crate::listen::WarnGate,
-    pub(crate) lease_warn: crate::listen::WarnGate,
-    /// This bus's subscriptions found dropped by the last consumer heartbeat.
-    pub(crate) missing: Mutex<Vec<String>>,
-    pub(crate) stopping: CancellationToken,
-}
-
-impl std::fmt::Debug for Shared {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared")
-            .field("worker_id", &self.worker_id)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Shared {
-    pub(crate) fn wake_by_notification(&self) {
-        self.notified.store(true, Ordering::Release);
-        self.wake.notify_one();
-    }
-
-    pub(crate) fn wake_for_catch_up(&self) {
-        self.wake.notify_one();
-    }
+/// A subscription of this bus: as the claimer counts it, what it asks of the stored
+/// subscription, and where its deliveries go.
+#[derive(Debug)]
+struct Registered {
+    sub: Arc<Sub>,
+    asked: crate::admin::SubscriptionChange,
+    target: Target,
 }
 
 /// A bus that is configured but not yet running: register in-process subscriptions with
@@ -226,8 +105,8 @@ pub struct Bus {
     config: tokio_postgres::Config,
     listen_config: Option<tokio_postgres::Config>,
     opts: Options,
-    subs: Vec<Arc<SubRuntime>>,
-    stopping: CancellationToken,
+    subs: Vec<Registered>,
+    shutdown: Arc<Shutdown>,
     streams: Vec<StreamRx>,
 }
 
@@ -325,7 +204,7 @@ impl Bus {
     {
         let patterns: Vec<String> = patterns.into_iter().map(Into::into).collect();
         let asked = asked_settings(name, patterns, &options, &self.opts)?;
-        if self.subs.iter().any(|s| &*s.name == name) {
+        if self.subs.iter().any(|s| &*s.sub.name == name) {
             return Err(Error::invalid(
                 "subscription name",
                 format!("{name:?} is already used by this bus"),
@@ -333,152 +212,213 @@ impl Bus {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let limit = options.concurrency.unwrap_or(self.opts.concurrency);
-        let sub = Arc::new(SubRuntime {
-            name: Arc::from(name),
+        let retry = options.retry.unwrap_or(self.opts.retry);
+        let sub = Arc::new(Sub::new(name, retry, Some(limit)));
+        let rx = Arc::new(Mutex::new(rx));
+        self.streams.push(rx.clone());
+        self.subs.push(Registered {
+            sub,
             asked,
-            retry: options.retry.unwrap_or(self.opts.retry),
-            timeout: None,
-            held: Default::default(),
-            limit: Some(limit),
-            run_limit: None,
             target: Target::Stream(tx),
         });
-        let rx = Arc::new(Mutex::new(rx));
-        self.streams.push((sub.name.clone(), rx.clone()));
-        self.subs.push(sub);
         Ok(Subscription {
             name: Arc::from(name),
             rx,
-            stopped: Box::pin(self.stopping.clone().cancelled_owned()),
+            stopped: Box::pin(self.shutdown.token().clone().cancelled_owned()),
         })
     }
 
     /// Connects, registers this bus's subscriptions and itself, and starts its tasks:
     /// the listener, the claimer and dispatcher, the acker, and the maintenance task
-    /// (reaper, lease extension, heartbeat).
+    /// (reaper, lease extension, heartbeat, repair, sweep).
     ///
     /// # Errors
     ///
     /// [`Error::SchemaMissing`] when the database was never migrated (run
     /// `pgbus migrate`), [`Error::Pool`] or [`Error::Database`] when PostgreSQL cannot be
-    /// reached.
+    /// reached, [`Error::Invalid`] when a subscription asks for settings other than the
+    /// stored ones (and [`BusBuilder::reconfigure`] is off).
     pub async fn start(self) -> Result<RunningBus> {
+        let session = Session {
+            pool_size: self.opts.pool_size,
+            statement_timeout: self.opts.statement_timeout,
+            synchronous_commit: self.opts.synchronous_commit,
+        };
+        let pool = conn::pool(&self.config, &session)?;
+        // Join (or create) the subscriptions: a bus never silently changes a stored
+        // subscription that other consumers share.
+        {
+            let client = pool.get().await?;
+            for s in &self.subs {
+                crate::admin::join_subscription(
+                    &client,
+                    &s.sub.name,
+                    &s.asked,
+                    self.opts.reconfigure,
+                )
+                .await?;
+            }
+        }
+        let consumer = Consumer {
+            pool,
+            worker: Arc::from(uuid::Uuid::now_v7().to_string()),
+            subscriptions: self.subs.iter().map(|s| s.sub.name.clone()).collect(),
+            poll_only: self.opts.poll_only,
+        };
+        consumer.heartbeat().await?;
+        let bus = self.spawn(consumer);
+        tracing::info!(
+            worker = %bus.parts.consumer.worker,
+            subscriptions = bus.subs.len(),
+            poll_only = bus.opts.poll_only,
+            "pgbus started"
+        );
+        Ok(bus)
+    }
+
+    /// Starts the tasks of a bus whose subscriptions and consumer row are registered.
+    fn spawn(self, consumer: Consumer) -> RunningBus {
         let Bus {
             config,
             listen_config,
             opts,
             subs,
-            stopping,
+            shutdown,
             streams,
         } = self;
-        let mut worker_config = config.clone();
-        worker_config.application_name("pgbus worker");
-        let mut options = worker_config.get_options().unwrap_or("").to_string();
-        options.push_str(&format!(
-            " -c statement_timeout={}",
-            opts.statement_timeout.as_millis()
-        ));
-        if !opts.synchronous_commit {
-            options.push_str(" -c synchronous_commit=off");
-        }
-        // Settling, reaping and repairs decide heads from the rows the key locks protect,
-        // which only a fresh snapshot per statement shows: whatever the database's
-        // default, the bus's own transactions are READ COMMITTED.
-        options.push_str(r" -c default_transaction_isolation=read\ committed");
-        worker_config.options(options.trim());
-        let manager = deadpool_postgres::Manager::from_config(
-            worker_config,
-            tokio_postgres::NoTls,
-            deadpool_postgres::ManagerConfig {
-                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-            },
-        );
-        let pool = deadpool_postgres::Pool::builder(manager)
-            .max_size(opts.pool_size)
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .wait_timeout(Some(Duration::from_secs(10)))
-            .create_timeout(Some(Duration::from_secs(10)))
-            .recycle_timeout(Some(Duration::from_secs(5)))
-            .build()
-            .map_err(|e| Error::invalid("pool", e.to_string()))?;
-
-        // Join (or create) the subscriptions: a bus never silently changes a stored
-        // subscription that other consumers share.
-        {
-            let client = pool.get().await?;
-            for sub in &subs {
-                crate::admin::join_subscription(&client, &sub.name, &sub.asked, opts.reconfigure)
-                    .await?;
-            }
-        }
-
-        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared {
-            pool,
-            worker_id: uuid::Uuid::now_v7().to_string(),
-            capacity: Arc::new(Semaphore::new(opts.concurrency + opts.batch_size)),
-            opts: opts.clone(),
-            subs: subs.iter().map(|s| (s.name.clone(), s.clone())).collect(),
-            wake: Notify::new(),
-            notified: AtomicBool::new(false),
-            capacity_changed: Notify::new(),
-            held: Mutex::new(HashMap::new()),
-            settle_tx,
-            stats: Counters::default(),
-            listening: AtomicBool::new(false),
-            missing: Mutex::new(Vec::new()),
-            claim_warn: Default::default(),
-            settle_warn: Default::default(),
-            lease_warn: Default::default(),
-            stopping: stopping.clone(),
-        });
-        claim::consumer_heartbeat(&shared).await?;
-
-        let background = CancellationToken::new();
-        let acker_stop = CancellationToken::new();
-        let acker = AbortOnDropHandle::new(tokio::spawn(claim::run_acker(
-            shared.clone(),
-            settle_rx,
-            acker_stop.clone(),
-        )));
-        let maintenance = AbortOnDropHandle::new(tokio::spawn(run_maintenance(
-            shared.clone(),
-            background.clone(),
-        )));
-        let listener = if opts.poll_only {
-            None
-        } else {
-            let mut cfg = listen_config.unwrap_or(config);
-            cfg.application_name("pgbus listener");
-            cfg.keepalives(true);
-            cfg.keepalives_idle(Duration::from_secs(30));
-            Some(AbortOnDropHandle::new(tokio::spawn(crate::listen::run(
-                shared.clone(),
-                cfg,
-                background.clone(),
-            ))))
+        let parts = Parts {
+            consumer,
+            stats: Arc::default(),
+            wake: Arc::default(),
+            slots: Slots::new(opts.concurrency + opts.batch_size),
+            listening: Arc::default(),
+            dropped: Arc::default(),
+            shutdown,
         };
-        let dispatcher = AbortOnDropHandle::new(tokio::spawn(run_dispatcher(
-            shared.clone(),
-            ClaimStream::new(shared.clone()),
-        )));
-        tracing::info!(
-            worker = %shared.worker_id,
-            subscriptions = shared.subs.len(),
-            poll_only = opts.poll_only,
-            "pgbus started"
-        );
-        Ok(RunningBus {
-            shared,
-            streams,
-            background,
-            acker_stop,
-            dispatcher: Some(dispatcher),
-            acker: Some(acker),
-            maintenance: Some(maintenance),
+        let tokens = Tokens::default();
+        let (settler, settle_rx) = Settler::channel();
+        let acker = parts.acker(&tokens).run(settle_rx, tokens.acker.clone());
+        let maintenance = parts.maintainer(&opts).run(tokens.background.clone());
+        let listener = (!opts.poll_only).then(|| {
+            let config = listen_config.unwrap_or(config);
+            spawn(parts.listener(config).run(tokens.background.clone()))
+        });
+        let (claimer, dispatcher) = parts.delivery(&opts, subs, settler);
+        let subs = claimer.subs.values().cloned().collect();
+        let tasks = Tasks {
+            dispatcher: Some(spawn(dispatcher.run(claimer.into_stream()))),
+            acker: Some(spawn(acker)),
+            maintenance: Some(spawn(maintenance)),
             listener,
-        })
+        };
+        RunningBus {
+            subs,
+            parts,
+            opts,
+            streams,
+            tokens,
+            tasks,
+        }
     }
+}
+
+/// What the rooms of a running bus share: each is handed the parts it needs.
+#[derive(Debug)]
+struct Parts {
+    consumer: Consumer,
+    stats: Arc<Counters>,
+    wake: Arc<Wake>,
+    slots: Arc<Slots>,
+    listening: Arc<AtomicBool>,
+    dropped: Arc<Mutex<Vec<String>>>,
+    shutdown: Arc<Shutdown>,
+}
+
+impl Parts {
+    fn acker(&self, tokens: &Tokens) -> Acker {
+        Acker {
+            pool: self.consumer.pool.clone(),
+            worker: self.consumer.worker.clone(),
+            stats: self.stats.clone(),
+            wake: self.wake.clone(),
+            warn: WarnGate::default(),
+            deadline: tokens.deadline.clone(),
+        }
+    }
+
+    fn maintainer(&self, opts: &Options) -> Maintainer {
+        Maintainer {
+            consumer: self.consumer.clone(),
+            slots: self.slots.clone(),
+            wake: self.wake.clone(),
+            stats: self.stats.clone(),
+            shutdown: self.shutdown.clone(),
+            schedule: Schedule {
+                poll_interval: opts.poll_interval,
+                lease: opts.lease,
+                retention: opts.retention,
+            },
+            dropped: self.dropped.clone(),
+            lease_warn: WarnGate::default(),
+        }
+    }
+
+    fn listener(&self, mut config: tokio_postgres::Config) -> Listener {
+        config.application_name("pgbus listener");
+        config.keepalives(true);
+        config.keepalives_idle(Duration::from_secs(30));
+        Listener {
+            config,
+            wake: self.wake.clone(),
+            listening: self.listening.clone(),
+            stats: self.stats.clone(),
+        }
+    }
+
+    /// The claimer and the dispatcher: the subscriptions' claim side to the one, their
+    /// targets to the other.
+    fn delivery(
+        &self,
+        opts: &Options,
+        subs: Vec<Registered>,
+        settler: Settler,
+    ) -> (Claimer, Dispatcher) {
+        let mut targets = HashMap::new();
+        let mut claim_subs = HashMap::new();
+        for s in subs {
+            let name = s.sub.name.clone();
+            targets.insert(name.clone(), s.target);
+            claim_subs.insert(name, s.sub);
+        }
+        let claimer = Claimer {
+            pool: self.consumer.pool.clone(),
+            worker: self.consumer.worker.clone(),
+            subs: claim_subs,
+            slots: self.slots.clone(),
+            settler,
+            wake: self.wake.clone(),
+            stats: self.stats.clone(),
+            shutdown: self.shutdown.clone(),
+            pacing: Pacing {
+                batch_size: opts.batch_size,
+                claim_bytes: opts.claim_bytes,
+                lease: opts.lease,
+                poll_interval: opts.poll_interval,
+                poll_only: opts.poll_only,
+            },
+        };
+        let dispatcher = Dispatcher {
+            targets,
+            concurrency: opts.concurrency,
+            shutdown: self.shutdown.clone(),
+            shutdown_timeout: opts.shutdown_timeout,
+        };
+        (claimer, dispatcher)
+    }
+}
+
+fn spawn(task: impl Future<Output = ()> + Send + 'static) -> AbortOnDropHandle<()> {
+    AbortOnDropHandle::new(tokio::spawn(task))
 }
 
 impl BusBuilder {
@@ -690,54 +630,72 @@ impl BusBuilder {
         if o.lease < Duration::from_secs(1) {
             return Err(Error::invalid("lease", "must be at least 1 second"));
         }
-        let mut subs: Vec<Arc<SubRuntime>> = Vec::new();
+        let mut subs: Vec<Registered> = Vec::new();
         for (name, patterns, handler, options) in self.handlers {
             let asked = asked_settings(&name, patterns, &options, o)?;
-            if subs.iter().any(|s| *s.name == *name) {
+            if subs.iter().any(|s| *s.sub.name == *name) {
                 return Err(Error::invalid(
                     "subscription name",
                     format!("{name:?} is used by two handlers"),
                 ));
             }
-            subs.push(Arc::new(SubRuntime {
-                name: Arc::from(name.as_str()),
+            let retry = options.retry.unwrap_or(o.retry);
+            subs.push(Registered {
+                sub: Arc::new(Sub::new(&name, retry, options.concurrency)),
                 asked,
-                retry: options.retry.unwrap_or(o.retry),
-                timeout: options.timeout.or(o.handler_timeout),
-                held: Default::default(),
-                limit: options.concurrency,
-                run_limit: options.concurrency.map(|c| Arc::new(Semaphore::new(c))),
-                target: Target::Handler(handler),
-            }));
+                target: Target::Handler {
+                    handler,
+                    timeout: options.timeout.or(o.handler_timeout),
+                    limit: options.concurrency.map(|c| Arc::new(Semaphore::new(c))),
+                },
+            });
         }
         Ok(Bus {
             config: self.config,
             listen_config: self.listen_config,
             opts: self.opts,
             subs,
-            stopping: CancellationToken::new(),
+            shutdown: Arc::new(Shutdown::default()),
             streams: Vec::new(),
         })
     }
 }
 
-/// A running bus. [`shutdown`](RunningBus::shutdown) stops it gracefully; dropping it
-/// aborts its tasks (deliveries in flight then come back when their leases expire).
-pub struct RunningBus {
-    shared: Arc<Shared>,
-    streams: Vec<StreamRx>,
+/// The tokens that stop the tasks, in the order shutdown cancels them.
+#[derive(Debug, Default)]
+struct Tokens {
+    /// The acker writes what is queued and ends.
+    acker: CancellationToken,
+    /// The shutdown deadline: the acker cancels its statement and gives up the rest.
+    deadline: CancellationToken,
+    /// The listener and the maintenance task end.
     background: CancellationToken,
-    acker_stop: CancellationToken,
+}
+
+/// The bus's tasks; dropping them aborts them.
+#[derive(Debug)]
+struct Tasks {
     dispatcher: Option<AbortOnDropHandle<()>>,
     acker: Option<AbortOnDropHandle<()>>,
     maintenance: Option<AbortOnDropHandle<()>>,
     listener: Option<AbortOnDropHandle<()>>,
 }
 
+/// A running bus. [`shutdown`](RunningBus::shutdown) stops it gracefully; dropping it
+/// aborts its tasks (deliveries in flight then come back when their leases expire).
+pub struct RunningBus {
+    parts: Parts,
+    opts: Options,
+    subs: Vec<Arc<Sub>>,
+    streams: Vec<StreamRx>,
+    tokens: Tokens,
+    tasks: Tasks,
+}
+
 impl std::fmt::Debug for RunningBus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RunningBus")
-            .field("worker_id", &self.shared.worker_id)
+            .field("worker_id", &self.parts.consumer.worker)
             .finish_non_exhaustive()
     }
 }
@@ -745,26 +703,26 @@ impl std::fmt::Debug for RunningBus {
 impl RunningBus {
     /// The counters so far.
     pub fn stats(&self) -> Stats {
-        self.shared.stats.snapshot()
+        self.parts.stats.snapshot()
     }
 
     /// This bus's worker id: `locked_by` of the deliveries it holds, and its row in
     /// `pgbus.consumers`.
     pub fn worker_id(&self) -> &str {
-        &self.shared.worker_id
+        &self.parts.consumer.worker
     }
 
     /// Whether the listener is connected and LISTENing now.
     pub fn is_listening(&self) -> bool {
-        self.shared.listening.load(Ordering::Acquire)
+        self.parts.listening.load(Ordering::Acquire)
     }
 
     /// This bus's subscriptions that an operator dropped while it runs (checked with the
     /// consumer heartbeat, every 10 s): they receive nothing until registered again
     /// (restarting the bus does that). Each drop is also logged at error level.
     pub fn dropped_subscriptions(&self) -> Vec<String> {
-        self.shared
-            .missing
+        self.parts
+            .dropped
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
@@ -772,71 +730,108 @@ impl RunningBus {
 
     /// Makes the claimer look for work now.
     pub fn wake(&self) {
-        self.shared.wake.notify_one();
+        self.parts.wake.now();
     }
 
-    /// Stops gracefully: stops claiming; releases claimed deliveries that have not
-    /// started (back to pending, attempt not consumed); waits for running handlers up to
-    /// the shutdown timeout (those still running then are aborted and count as failed
-    /// attempts); writes every pending settlement; removes the bus from
-    /// `pgbus.consumers`; and ends every task.
+    /// Stops gracefully, all within the shutdown timeout
+    /// ([`BusBuilder::shutdown_timeout`]):
+    ///
+    /// 1. stops claiming, and cancels a reaping, repair or sweep statement in flight;
+    ///    releases claimed deliveries that have not started (back to pending, attempt not
+    ///    consumed);
+    /// 2. waits for running handlers and for the deliveries the application holds from
+    ///    its subscription streams, until the timeout less a reserve for step 3 (a
+    ///    quarter of it, at most one second); handlers still running then are aborted
+    ///    and count as failed attempts;
+    /// 3. writes every pending settlement; at the deadline, the statement in flight is
+    ///    cancelled and what is left is given up (those leases expire and the deliveries
+    ///    return);
+    /// 4. ends the listener and the maintenance task, and removes the bus from
+    ///    `pgbus.consumers` if time is left (else its row expires).
     ///
     /// # Errors
     ///
-    /// [`Error::Timeout`] if a task did not end; the bus is stopped regardless.
+    /// [`Error::Timeout`] if settlements were given up at the deadline; the bus is stopped
+    /// regardless.
     pub async fn shutdown(mut self) -> Result<()> {
-        let deadline = tokio::time::Instant::now() + self.shared.opts.shutdown_timeout;
-        self.shared.stopping.cancel();
+        let timeout = self.opts.shutdown_timeout;
+        let deadline = self.parts.shutdown.begin(timeout);
         // Release what the streams have buffered but not handed out, before and after
         // the dispatcher ends: a claim under way when stopping began still hands its
         // deliveries over (the dispatcher releases those it gets for streams then).
         self.release_buffered();
-        if let Some(d) = self.dispatcher.take() {
-            let _ = d.await;
+        let handlers_deadline = self.parts.shutdown.handlers_deadline(timeout);
+        if let Some(mut dispatcher) = self.tasks.dispatcher.take() {
+            tokio::select! {
+                _ = &mut dispatcher => {}
+                _ = tokio::time::sleep_until(handlers_deadline) => {
+                    // A claim blocked in the database: cancel it.
+                    self.parts.shutdown.overdue().cancel();
+                    finish(Some(dispatcher), handlers_deadline).await;
+                }
+            }
         }
         self.release_buffered();
-        // Deliveries still in the application's hands (subscription streams).
-        while self.held_count() > 0 && tokio::time::Instant::now() < deadline {
-            let _ =
-                tokio::time::timeout_at(deadline, self.shared.capacity_changed.notified()).await;
+        self.wait_for_streams(handlers_deadline).await;
+        let result = self.settle_by(deadline).await;
+        self.tokens.background.cancel();
+        for task in [self.tasks.maintenance.take(), self.tasks.listener.take()] {
+            finish(task, deadline).await;
         }
-        self.acker_stop.cancel();
-        let mut result = Ok(());
-        if let Some(a) = self.acker.take()
-            && tokio::time::timeout(Duration::from_secs(30), a)
-                .await
-                .is_err()
-        {
-            result = Err(Error::Timeout("writing the last settlements"));
+        match tokio::time::timeout_at(deadline, self.parts.consumer.remove()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "pgbus could not remove its consumer row"),
+            Err(_) => tracing::debug!("pgbus left its consumer row to expire: no time left"),
         }
-        self.background.cancel();
-        if let Some(m) = self.maintenance.take() {
-            let _ = m.await;
-        }
-        if let Some(l) = self.listener.take() {
-            let _ = l.await;
-        }
-        if let Err(e) = claim::consumer_remove(&self.shared).await {
-            tracing::debug!(error = %e, "pgbus could not remove its consumer row");
-        }
-        self.shared.pool.close();
-        tracing::info!(worker = %self.shared.worker_id, "pgbus stopped");
+        self.parts.consumer.pool.close();
+        tracing::info!(worker = %self.parts.consumer.worker, "pgbus stopped");
         result
     }
 
+    /// Waits, until `until`, for the deliveries the application holds from its
+    /// subscription streams to be settled.
+    async fn wait_for_streams(&self, until: tokio::time::Instant) {
+        let held = || self.subs.iter().map(|s| s.held()).sum::<usize>();
+        while held() > 0 && tokio::time::Instant::now() < until {
+            let _ = tokio::time::timeout_at(until, self.parts.slots.freed()).await;
+        }
+    }
+
+    /// Lets the acker write what is queued; at `deadline`, makes it give up the rest.
+    async fn settle_by(&mut self, deadline: tokio::time::Instant) -> Result<()> {
+        self.tokens.acker.cancel();
+        let Some(mut acker) = self.tasks.acker.take() else {
+            return Ok(());
+        };
+        tokio::select! {
+            _ = &mut acker => Ok(()),
+            _ = tokio::time::sleep_until(deadline) => {
+                self.tokens.deadline.cancel();
+                // It cancels its statement and ends; a server that cannot even be
+                // reached for the cancel request is not waited for long.
+                let _ = tokio::time::timeout(CANCEL_GRACE, acker).await;
+                Err(Error::Timeout("writing the last settlements"))
+            }
+        }
+    }
+
     fn release_buffered(&self) {
-        for (_, rx) in &self.streams {
+        for rx in &self.streams {
             let mut rx = rx.lock().unwrap_or_else(|p| p.into_inner());
             while rx.try_recv().is_ok() {}
         }
     }
+}
 
-    fn held_count(&self) -> usize {
-        self.shared
-            .subs
-            .values()
-            .map(|s| s.held.load(Ordering::Acquire))
-            .sum()
+/// How long a task stopped at the deadline may take to cancel its statement and end.
+const CANCEL_GRACE: Duration = Duration::from_secs(1);
+
+/// Waits for a task that was told to end, until `deadline` (or briefly past it, for one
+/// that cancels a statement); then aborts it.
+async fn finish(task: Option<AbortOnDropHandle<()>>, deadline: tokio::time::Instant) {
+    if let Some(task) = task {
+        let until = deadline.max(tokio::time::Instant::now()) + CANCEL_GRACE;
+        let _ = tokio::time::timeout_at(until, task).await;
     }
 }
 
@@ -860,217 +855,4 @@ fn asked_settings(
         ordered: options.ordered,
         on_dead: options.on_dead,
     })
-}
-
-/// Routes each claimed delivery to its subscription: a handler task, or a stream.
-async fn run_dispatcher(shared: Arc<Shared>, mut claims: ClaimStream) {
-    let run_limit = Arc::new(Semaphore::new(shared.opts.concurrency));
-    let mut tasks = JoinSet::new();
-    while let Some(delivery) = claims.next().await {
-        while tasks.try_join_next().is_some() {}
-        let sub = delivery.sub.clone();
-        match &sub.target {
-            Target::Stream(tx) => {
-                // A dropped stream drops the delivery unstarted: it is released. So does
-                // a stopping bus, whose streams are no longer read.
-                if !shared.stopping.is_cancelled() {
-                    let _ = tx.send(delivery);
-                }
-            }
-            Target::Handler(handler) => {
-                let handler = handler.clone();
-                let run_limit = run_limit.clone();
-                let stopping = shared.stopping.clone();
-                let default_timeout = sub.timeout;
-                let sub_limit = sub.run_limit.clone();
-                tasks.spawn(async move {
-                    let mut delivery = delivery;
-                    let _permit = tokio::select! {
-                        p = run_limit.acquire_owned() => p,
-                        // Never started: dropping it releases it.
-                        _ = stopping.cancelled() => return,
-                    };
-                    let _sub_permit = match sub_limit {
-                        Some(limit) => tokio::select! {
-                            p = limit.acquire_owned() => Some(p),
-                            _ = stopping.cancelled() => return,
-                        },
-                        None => None,
-                    };
-                    delivery.mark_started();
-                    let event = &delivery.event;
-                    let span = tracing::info_span!(
-                        "pgbus.deliver",
-                        messaging.system = "postgresql",
-                        messaging.operation = "process",
-                        messaging.destination.name = %event.name,
-                        messaging.destination.subscription.name = %delivery.sub.name,
-                        messaging.message.id = %event.id,
-                        messaging.message.conversation_id = event.correlation_id.as_deref(),
-                        pgbus.attempt = delivery.attempt,
-                    );
-                    // Called inside the future, so that a handler panicking before it
-                    // returns its future (a closure's synchronous part) is caught too.
-                    let run = AssertUnwindSafe(async { handler.call(event).await }).catch_unwind();
-                    let outcome = match default_timeout {
-                        Some(t) => tokio::time::timeout(t, run)
-                            .instrument(span.clone())
-                            .await
-                            .ok(),
-                        None => Some(run.instrument(span.clone()).await),
-                    };
-                    let action = match outcome {
-                        Some(Ok(Ok(()))) => Action::Ack,
-                        Some(Ok(Err(e))) => {
-                            span.in_scope(|| tracing::debug!(error = %e, "pgbus handler failed"));
-                            delivery.fail_action(&e)
-                        }
-                        Some(Err(panic)) => {
-                            let msg = format!("handler panicked: {}", panic_message(&*panic));
-                            span.in_scope(
-                                || tracing::warn!(error = %msg, "pgbus handler panicked"),
-                            );
-                            delivery.fail_action(&HandlerError::new(msg))
-                        }
-                        None => {
-                            let msg = format!(
-                                "handler timed out after {:?}",
-                                default_timeout.unwrap_or_default()
-                            );
-                            delivery.fail_action(&HandlerError::new(msg))
-                        }
-                    };
-                    delivery.settle_nowait(action);
-                });
-            }
-        }
-    }
-    // Stopping: wait for running handlers up to the deadline, then abort the rest (their
-    // deliveries count as failed attempts and return at once).
-    let deadline = tokio::time::Instant::now() + shared.opts.shutdown_timeout;
-    while !tasks.is_empty() {
-        match tokio::time::timeout_at(deadline, tasks.join_next()).await {
-            Ok(Some(_)) => {}
-            Ok(None) => break,
-            Err(_) => {
-                tracing::warn!(
-                    running = tasks.len(),
-                    "pgbus shutdown timeout: aborting handlers still running"
-                );
-                tasks.shutdown().await;
-                break;
-            }
-        }
-    }
-}
-
-/// The reaper, the lease heartbeat, the consumer heartbeat and the retention sweep.
-async fn run_maintenance(shared: Arc<Shared>, stop: CancellationToken) {
-    // The first sweep runs on the first tick; then hourly, or on the next tick while
-    // batches come back full. One batch per tick keeps the other duties on time.
-    let mut next_sweep = tokio::time::Instant::now();
-    let mut reap = tokio::time::interval(shared.opts.poll_interval);
-    let mut extend = tokio::time::interval(shared.opts.lease / 3);
-    let mut heartbeat = tokio::time::interval(CONSUMER_HEARTBEAT);
-    let mut repair = tokio::time::interval(REPAIR_INTERVAL);
-    for i in [&mut reap, &mut extend, &mut heartbeat, &mut repair] {
-        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    }
-    extend.tick().await;
-    heartbeat.tick().await;
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = reap.tick() => match claim::reap(&shared).await {
-                Ok((pending, dead)) => {
-                    if pending + dead > 0 {
-                        shared.stats.reaped.fetch_add((pending + dead) as u64, Ordering::Relaxed);
-                        tracing::info!(returned = pending, dead, "pgbus reaped expired leases");
-                    }
-                    if pending > 0 {
-                        shared.wake.notify_one();
-                    }
-                    if let Some(retention) = shared.opts.retention
-                        && tokio::time::Instant::now() >= next_sweep
-                    {
-                        next_sweep = sweep_once(&shared, retention).await;
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, "pgbus reaper failed"),
-            },
-            _ = extend.tick() => if let Err(e) = claim::extend_leases(&shared).await {
-                if shared.lease_warn.allow() {
-                    tracing::warn!(error = %e, "pgbus could not extend leases");
-                } else {
-                    tracing::debug!(error = %e, "pgbus could not extend leases again");
-                }
-            },
-            _ = heartbeat.tick() => match claim::consumer_heartbeat(&shared).await {
-                Ok(missing) => note_missing(&shared, missing),
-                Err(e) => tracing::debug!(error = %e, "pgbus consumer heartbeat failed"),
-            },
-            _ = repair.tick() => {
-                match claim::repair_orphans(&shared).await {
-                    Ok(0) => {}
-                    Ok(n) => {
-                        shared.stats.repaired.fetch_add(n as u64, Ordering::Relaxed);
-                        shared.wake.notify_one();
-                    }
-                    Err(e) => tracing::debug!(error = %e, "pgbus ordering repair failed"),
-                }
-            },
-        }
-    }
-}
-
-/// Records which of this bus's subscriptions were dropped, and says so once per drop.
-fn note_missing(shared: &Shared, missing: Vec<String>) {
-    let mut known = shared.missing.lock().unwrap_or_else(|p| p.into_inner());
-    for name in missing.iter().filter(|n| !known.contains(n)) {
-        tracing::error!(
-            messaging.destination.subscription.name = %name,
-            "pgbus subscription was dropped while this bus consumes it: it receives nothing \
-             until it is registered again (restart this consumer, or stop it)"
-        );
-    }
-    for name in known.iter().filter(|n| !missing.contains(n)) {
-        tracing::info!(
-            messaging.destination.subscription.name = %name,
-            "pgbus subscription is registered again"
-        );
-    }
-    *known = missing;
-}
-
-/// Runs one retention sweep batch; returns when the next one is due.
-async fn sweep_once(shared: &Shared, retention: Duration) -> tokio::time::Instant {
-    let later = tokio::time::Instant::now() + SWEEP_INTERVAL;
-    let batch = crate::admin::DEFAULT_SWEEP_BATCH;
-    let client = match shared.pool.get().await {
-        Ok(client) => client,
-        Err(e) => {
-            tracing::debug!(error = %e, "pgbus sweep could not get a connection");
-            return later;
-        }
-    };
-    match crate::admin::sweep_batch(&client, retention, batch).await {
-        Ok(swept) => {
-            if swept.events > 0 {
-                tracing::info!(
-                    events = swept.events,
-                    failures = swept.failures,
-                    "pgbus swept events past retention"
-                );
-            }
-            if swept.events >= batch as u64 {
-                tokio::time::Instant::now()
-            } else {
-                later
-            }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "pgbus retention sweep failed");
-            later
-        }
-    }
 }

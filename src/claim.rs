@@ -1,39 +1,89 @@
-//! Claiming, settling, extending and reaping, and the claim stream that drives them.
+//! Claiming: the claimer turns wake-ups into claims (`FOR UPDATE SKIP LOCKED`, leased to
+//! this bus) and yields the claimed deliveries as a stream, within the free slots and the
+//! byte budget.
+//!
+//! It claims back to back while claims come back full; otherwise it waits for a
+//! notification, the next due retry, a freed slot its quota waits for, or the fallback
+//! poll interval, whichever comes first. A bus that claims a batch marks itself awake (in
+//! the claim statement), so publishers need not notify it; once its claims come back
+//! empty it lingers briefly, then marks itself asleep and claims once more.
 
-use std::collections::{HashMap, HashSet};
-use std::pin::Pin;
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
+use deadpool_postgres::Pool;
 use futures::Stream;
 use tokio::time::Instant;
-use tokio_postgres::types::Type;
+use tokio_postgres::Row;
+use tokio_postgres::types::{ToSql, Type};
 use tracing::Instrument;
 
-use crate::bus::Shared;
-use crate::decode::{self, col};
-use crate::error::{Error, Result};
+use crate::backoff::{self, WarnGate};
+use crate::conn::unless_stopped;
+use crate::decode;
+use crate::delivery::Delivery;
+use crate::error::Result;
+use crate::listen::Wake;
+use crate::settle::{Action, Settler};
+use crate::shutdown::Shutdown;
+use crate::slot::{Slots, Sub};
 use crate::sql;
-use crate::subscribe::{Action, Delivery, Outcome, SettleMsg};
+use crate::stats::{self, Counters};
 
 /// A claim that returns at least this many deliveries marks the bus awake: it is
 /// draining, will claim again by itself, and publishers need not notify it.
-pub(crate) const AWAKE_THRESHOLD: i32 = 4;
+const AWAKE_THRESHOLD: i32 = 4;
 /// How long an awake bus keeps polling after its claims come back empty...
-pub(crate) const LINGER: Duration = Duration::from_millis(50);
+const LINGER: Duration = Duration::from_millis(50);
 /// ...and how often.
-pub(crate) const COOLDOWN: Duration = Duration::from_millis(1);
+const COOLDOWN: Duration = Duration::from_millis(1);
 /// After falling asleep, claim again after these delays: a publisher that read "awake"
 /// just before the bus fell asleep sent no notification.
-pub(crate) const RECHECKS: [Duration; 3] = [
+const RECHECKS: [Duration; 3] = [
     Duration::from_millis(10),
     Duration::from_millis(50),
     Duration::from_millis(250),
 ];
+/// The longest wait [`due_in`] returns: the claimer waits at most its poll interval anyway.
+const MAX_DUE: f64 = 86_400.0;
+
+/// The claimer's settings (see the setters of [`BusBuilder`](crate::BusBuilder)).
+#[derive(Debug, Clone)]
+pub(crate) struct Pacing {
+    pub(crate) batch_size: usize,
+    pub(crate) claim_bytes: usize,
+    pub(crate) lease: Duration,
+    pub(crate) poll_interval: Duration,
+    pub(crate) poll_only: bool,
+}
+
+/// The claimer: what it claims with and for, and where it puts what it claimed.
+#[derive(Debug)]
+pub(crate) struct Claimer {
+    pub(crate) pool: Pool,
+    pub(crate) worker: Arc<str>,
+    pub(crate) subs: HashMap<Arc<str>, Arc<Sub>>,
+    pub(crate) slots: Arc<Slots>,
+    pub(crate) settler: Settler,
+    pub(crate) wake: Arc<Wake>,
+    pub(crate) stats: Arc<Counters>,
+    pub(crate) shutdown: Arc<Shutdown>,
+    pub(crate) pacing: Pacing,
+}
+
+/// What the next claim asks for.
+struct Ask {
+    /// Per subscription, how many it may take.
+    quotas: Vec<(Arc<str>, usize)>,
+    /// How many in all (the free slots, at most a batch).
+    free: usize,
+    /// Bytes of JSON left in the budget.
+    budget: usize,
+}
 
 /// The result of one claim statement.
+#[derive(Default)]
 struct Claimed {
     deliveries: Vec<Delivery>,
     /// Per subscription: how many were claimed.
@@ -41,106 +91,320 @@ struct Claimed {
     next_due: Option<Duration>,
     /// Whether the byte budget left due deliveries behind.
     cut: bool,
-    /// Every delivery claimed (handed out or dead-lettered), with its attempt and the
-    /// bytes of JSON it holds.
-    sizes: Vec<(HeldKey, i32, usize)>,
 }
 
-type HeldKey = (Arc<str>, i64);
-
-/// The bytes of JSON held by the deliveries this stream claimed and that are not settled
-/// yet (still in `Shared::held` with the same attempt).
-#[derive(Debug, Default)]
-struct HeldBytes {
-    by_key: HashMap<HeldKey, (i32, usize)>,
+/// What the claimer decides its next wait from: the last claim, asked and got.
+struct Round {
+    claimed: usize,
+    free: usize,
+    cut: bool,
+    next_due: Option<Duration>,
+    /// Whether a subscription's own limit held back due work (a freed slot may let it
+    /// claim more).
+    limited: bool,
 }
 
-impl HeldBytes {
-    /// Forgets settled deliveries; returns the bytes of the others.
-    fn current(&mut self, shared: &Shared) -> usize {
-        if self.by_key.is_empty() {
-            return 0;
+/// The claimer's state between claims.
+struct State {
+    /// Marked awake: publishers do not notify; the claimer polls while it lingers.
+    awake: bool,
+    last_work: Instant,
+    /// The next re-check after falling asleep ([`RECHECKS`]).
+    recheck: usize,
+    mark_errors: u32,
+    /// Claim errors in a row, and whether this outage's first was logged as a warning.
+    errors: u32,
+    warned: bool,
+    warn: WarnGate,
+    /// Whether the pending claim was woken by the poll timer.
+    by_poll: bool,
+    round: Option<Round>,
+}
+
+impl Claimer {
+    /// The stream of claimed deliveries; it ends when the bus is stopping.
+    pub(crate) fn into_stream(self) -> impl Stream<Item = Delivery> + Send {
+        async_stream::stream! {
+            let mut state = State {
+                awake: self.pacing.poll_only,
+                last_work: Instant::now() - LINGER,
+                recheck: RECHECKS.len(),
+                mark_errors: 0,
+                errors: 0,
+                warned: false,
+                warn: WarnGate::default(),
+                by_poll: false,
+                round: None,
+            };
+            while let Some(batch) = self.next(&mut state).await {
+                for delivery in batch {
+                    yield delivery;
+                }
+            }
         }
-        let held = shared.held.lock().expect("held lock");
-        self.by_key
-            .retain(|key, (attempt, _)| held.get(key) == Some(attempt));
-        drop(held);
-        self.by_key.values().map(|(_, bytes)| bytes).sum()
     }
 
-    fn add(&mut self, sizes: Vec<(HeldKey, i32, usize)>) {
-        for (key, attempt, bytes) in sizes {
-            self.by_key.insert(key, (attempt, bytes));
+    /// Waits as the last round says, then claims until a claim returns deliveries; `None`
+    /// once the bus is stopping.
+    async fn next(&self, state: &mut State) -> Option<Vec<Delivery>> {
+        loop {
+            if let Some(round) = state.round.take()
+                && !self.pause(state, round).await
+            {
+                return None;
+            }
+            if self.shutdown.is_stopping() {
+                return None;
+            }
+            let Some(ask) = self.ask() else {
+                // Every slot, or the byte budget, is taken: wait for a settlement.
+                tokio::select! {
+                    _ = self.shutdown.stopping() => return None,
+                    _ = self.slots.freed() => continue,
+                }
+            };
+            let claimed = match self.claim(&ask).await {
+                Ok(claimed) => claimed,
+                Err(e) => {
+                    let delay = self.claim_failed(state, &e);
+                    tokio::select! {
+                        _ = self.shutdown.stopping() => return None,
+                        _ = tokio::time::sleep(delay) => continue,
+                    }
+                }
+            };
+            let round = self.record(state, &ask, &claimed);
+            state.round = Some(round);
+            if !claimed.deliveries.is_empty() {
+                return Some(claimed.deliveries);
+            }
         }
     }
-}
 
-/// The longest wait [`due_in`] returns: the claimer waits at most its poll interval anyway.
-const MAX_DUE: f64 = 86_400.0;
-
-/// The wait until the next due delivery, from the seconds PostgreSQL computed: any float
-/// (NaN, infinite, negative, huge) gives a usable duration or none.
-fn due_in(secs: f64) -> Option<Duration> {
-    if secs.is_nan() {
-        return None;
-    }
-    Some(Duration::from_secs_f64(secs.clamp(0.0, MAX_DUE)))
-}
-
-async fn claim(
-    shared: &Arc<Shared>,
-    quotas: &[(Arc<str>, usize)],
-    total: usize,
-    budget: usize,
-) -> Result<Claimed> {
-    let client = shared.pool.get().await?;
-    let stmt = client
-        .prepare_typed_cached(sql::CLAIM, &sql::CLAIM_TYPES)
-        .await?;
-    let names: Vec<&str> = quotas.iter().map(|(n, _)| &**n).collect();
-    let limits: Vec<i32> = quotas.iter().map(|(_, q)| *q as i32).collect();
-    let total = total as i32;
-    let lease_ms = shared.opts.lease.as_millis() as i64;
-    let budget = i64::try_from(budget).unwrap_or(i64::MAX);
-    let threshold = if shared.opts.poll_only {
-        i32::MAX
-    } else {
-        AWAKE_THRESHOLD
-    };
-    let rows = client
-        .query(
-            &stmt,
-            &[
-                &names,
-                &limits,
-                &total,
-                &lease_ms,
-                &shared.worker_id,
-                &threshold,
-                &budget,
-            ],
-        )
-        .await?;
-    drop(client);
-    let mut next_due = None;
-    let mut deliveries = Vec::with_capacity(rows.len());
-    let mut per_sub: HashMap<Arc<str>, usize> = HashMap::new();
-    let mut cut = false;
-    let mut sizes = Vec::with_capacity(rows.len());
-    for row in rows {
-        // Every row of the claim is leased: from here on, nothing may fail the claim as
-        // a whole, or the other rows would wait for their leases to run out.
-        if let Ok(Some(secs)) = row.try_get::<_, Option<f64>>(col::NEXT_DUE) {
-            next_due = due_in(secs);
+    /// What the next claim may take, or `None` when every slot (or the byte budget) is
+    /// taken.
+    fn ask(&self) -> Option<Ask> {
+        let free = self.slots.free().min(self.pacing.batch_size);
+        let quotas: Vec<(Arc<str>, usize)> = self
+            .subs
+            .values()
+            .map(|s| (s.name.clone(), s.quota(free)))
+            .filter(|(_, q)| *q > 0)
+            .collect();
+        let holding = self.slots.bytes();
+        let budget = self.pacing.claim_bytes.saturating_sub(holding);
+        if free == 0 || quotas.is_empty() || (holding > 0 && budget == 0) {
+            return None;
         }
-        cut |= row.try_get::<_, bool>(col::CUT).unwrap_or(false);
-        let key = (
-            row.try_get::<_, Option<&str>>(col::SUBSCRIPTION),
-            row.try_get::<_, i64>(col::SEQ),
-            row.try_get::<_, i32>(col::ATTEMPTS),
+        Some(Ask {
+            quotas,
+            free,
+            budget,
+        })
+    }
+
+    /// Counts a claim that succeeded and says what it means for the next wait.
+    fn record(&self, state: &mut State, ask: &Ask, claimed: &Claimed) -> Round {
+        if state.errors > 0 {
+            if state.warned {
+                tracing::info!(after_errors = state.errors, "pgbus claims succeed again");
+            } else {
+                tracing::debug!(after_errors = state.errors, "pgbus claims succeed again");
+            }
+            state.errors = 0;
+        }
+        let n = claimed.deliveries.len();
+        stats::add(&self.stats.claims, 1);
+        if n > 0 {
+            state.last_work = Instant::now();
+            if state.by_poll {
+                stats::add(&self.stats.polls_found_work, 1);
+            }
+            state.awake |= n as i32 >= AWAKE_THRESHOLD;
+        }
+        state.by_poll = false;
+        let limited = ask.quotas.iter().any(|(name, q)| {
+            *q < ask.free && claimed.per_sub.get(name).copied().unwrap_or(0) >= *q
+        });
+        Round {
+            claimed: n,
+            free: ask.free,
+            cut: claimed.cut,
+            next_due: claimed.next_due,
+            limited,
+        }
+    }
+
+    /// Logs a failed claim (a warning at the start of an outage) and returns how long to
+    /// wait before the next.
+    fn claim_failed(&self, state: &mut State, e: &crate::Error) -> Duration {
+        if state.errors == 0 {
+            state.warned = state.warn.allow();
+        }
+        if state.errors == 0 && state.warned {
+            tracing::warn!(error = %e, "pgbus claim failed; retrying with backoff");
+        } else {
+            tracing::debug!(error = %e, errors = state.errors, "pgbus claim failed again");
+        }
+        state.errors += 1;
+        stats::add(&self.stats.claim_errors, 1);
+        backoff::delay(state.errors, self.pacing.poll_interval)
+    }
+
+    /// Waits before the next claim, as the last round says: not at all after a full
+    /// claim; briefly while lingering awake; otherwise until a wake-up, the next due
+    /// delivery, a re-check or the poll. Falls asleep after lingering. False when the bus
+    /// is stopping.
+    async fn pause(&self, state: &mut State, round: Round) -> bool {
+        if round.claimed >= round.free || round.cut {
+            return true; // a full batch, or cut by the byte budget: there may be more
+        }
+        let poll = self.pacing.poll_interval;
+        let mut wait = round.next_due.map_or(poll, |due| due.min(poll));
+        if state.awake && !self.pacing.poll_only {
+            if state.last_work.elapsed() < LINGER {
+                wait = wait.min(COOLDOWN);
+            } else {
+                match self.fall_asleep(state).await {
+                    None => return true, // asleep: claim once more at once
+                    Some(retry) => wait = wait.min(retry),
+                }
+            }
+        } else if state.recheck < RECHECKS.len() {
+            wait = wait.min(RECHECKS[state.recheck]);
+            state.recheck += 1;
+        }
+        tokio::select! {
+            _ = self.shutdown.stopping() => false,
+            by_notification = self.wake.woken() => {
+                if by_notification {
+                    stats::add(&self.stats.wakeups_by_notification, 1);
+                }
+                true
+            }
+            _ = tokio::time::sleep(wait) => {
+                if wait == poll {
+                    stats::add(&self.stats.wakeups_by_poll, 1);
+                    state.by_poll = true;
+                }
+                true
+            }
+            _ = self.slots.freed(), if round.limited => true,
+        }
+    }
+
+    /// Marks the bus asleep, so that publishers notify it again. The mark waits for
+    /// every publisher that read "awake" to commit (`pgbus.mark_asleep`), so the claim
+    /// after it finds their events. A mark that fails leaves the row saying "awake" and
+    /// nobody notifies: returns how soon to poll, on a backoff no longer than the
+    /// re-checks', before trying the mark again.
+    async fn fall_asleep(&self, state: &mut State) -> Option<Duration> {
+        match self.mark_asleep().await {
+            Ok(()) => {
+                state.awake = false;
+                state.mark_errors = 0;
+                state.recheck = 0;
+                None
+            }
+            Err(e) => {
+                state.mark_errors += 1;
+                tracing::debug!(error = %e, "pgbus could not mark itself asleep");
+                Some(backoff::delay(
+                    state.mark_errors,
+                    RECHECKS[RECHECKS.len() - 1],
+                ))
+            }
+        }
+    }
+
+    /// Runs `pgbus.mark_asleep`; a bus that begins to stop meanwhile cancels it (its row
+    /// is removed at the end of the stop anyway).
+    async fn mark_asleep(&self) -> Result<()> {
+        let client = self.pool.get().await?;
+        let worker: &str = &self.worker;
+        let work = async {
+            let stmt = client
+                .prepare_typed_cached(sql::CONSUMER_SLEEP, &[Type::TEXT])
+                .await?;
+            client.execute(&stmt, &[&worker]).await?;
+            Ok(())
+        };
+        unless_stopped(&client, self.shutdown.token(), work)
+            .await
+            .unwrap_or(Ok(()))
+    }
+
+    /// Runs one claim statement and takes its rows.
+    async fn claim(&self, ask: &Ask) -> Result<Claimed> {
+        let span = tracing::debug_span!(
+            "pgbus.claim",
+            messaging.system = "postgresql",
+            messaging.operation = "receive",
+            messaging.batch.message_count = tracing::field::Empty,
+            pgbus.requested = ask.free,
         );
-        let (subscription, seq, attempt) = match key {
-            (Ok(None), _, _) => continue, // nothing was claimed
+        let rows = self.claim_rows(ask).instrument(span.clone()).await?;
+        let claimed = self.take(rows);
+        span.record("messaging.batch.message_count", claimed.deliveries.len());
+        Ok(claimed)
+    }
+
+    async fn claim_rows(&self, ask: &Ask) -> Result<Vec<Row>> {
+        let client = self.pool.get().await?;
+        let names: Vec<&str> = ask.quotas.iter().map(|(n, _)| &**n).collect();
+        let limits: Vec<i32> = ask.quotas.iter().map(|(_, q)| *q as i32).collect();
+        let total = ask.free as i32;
+        let lease_ms = self.pacing.lease.as_millis() as i64;
+        let budget = i64::try_from(ask.budget).unwrap_or(i64::MAX);
+        let threshold = if self.pacing.poll_only {
+            i32::MAX
+        } else {
+            AWAKE_THRESHOLD
+        };
+        let worker: &str = &self.worker;
+        let params: [&(dyn ToSql + Sync); 7] = [
+            &names, &limits, &total, &lease_ms, &worker, &threshold, &budget,
+        ];
+        let work = async {
+            let stmt = client
+                .prepare_typed_cached(sql::CLAIM, &sql::CLAIM_TYPES)
+                .await?;
+            Ok(client.query(&stmt, &params).await?)
+        };
+        // Cancelled only once the stop is overdue: a claim that completes while the bus
+        // stops hands its deliveries over to be released.
+        let rows = unless_stopped(&client, self.shutdown.overdue(), work).await;
+        rows.unwrap_or(Ok(Vec::new()))
+    }
+
+    /// Takes the claimed rows: a slot and a delivery each. Every row of the claim is
+    /// leased: from here on, nothing may fail the claim as a whole, or the other rows would
+    /// wait for their leases to run out.
+    fn take(&self, rows: Vec<Row>) -> Claimed {
+        let mut claimed = Claimed::default();
+        for row in rows {
+            if let Ok(Some(secs)) = row.try_get::<_, Option<f64>>("secs") {
+                claimed.next_due = due_in(secs);
+            }
+            claimed.cut |= row.try_get::<_, bool>("cut").unwrap_or(false);
+            if let Some((sub, delivery)) = self.take_row(&row) {
+                *claimed.per_sub.entry(sub).or_default() += 1;
+                claimed.deliveries.extend(delivery);
+            }
+        }
+        claimed
+    }
+
+    /// One claimed row as a delivery. An event this library cannot decode (written by
+    /// SQL past the validation in `Event::encode`) must not fail the whole claim: that
+    /// delivery alone is dead-lettered with the reason, and none is returned for it.
+    fn take_row(&self, row: &Row) -> Option<(Arc<str>, Option<Delivery>)> {
+        let (sub, seq, attempt) = match (
+            row.try_get::<_, Option<&str>>("subscription"),
+            row.try_get::<_, i64>("seq"),
+            row.try_get::<_, i32>("attempts"),
+        ) {
+            (Ok(None), _, _) => return None, // nothing was claimed
             (Ok(Some(sub)), Ok(seq), Ok(attempt)) => (sub, seq, attempt),
             (sub, seq, attempt) => {
                 // Cannot happen (NOT NULL columns, and names this bus sent); the lease
@@ -151,34 +415,19 @@ async fn claim(
                     ?attempt,
                     "pgbus cannot read a claimed delivery's key"
                 );
-                continue;
+                return None;
             }
         };
-        let Some(sub) = shared.subs.get(subscription).cloned() else {
-            continue; // not ours: cannot happen, the statement filters by our names
-        };
-        // An event this library cannot decode (written by SQL past the validation in
-        // Event::encode) must not fail the whole claim: that delivery alone is
-        // dead-lettered with the reason, and the rest of the batch is handed out.
-        let decoded = decode::event(&row, seq);
-        // The claimer is the only one that acquires, and asked for no more than were
-        // free, so this cannot fail; were it to, the delivery simply holds no permit.
-        let permit = shared.capacity.clone().try_acquire_owned().ok();
-        sub.held.fetch_add(1, Ordering::AcqRel);
-        shared
-            .held
-            .lock()
-            .expect("held lock")
-            .insert((sub.name.clone(), seq), attempt);
-        *per_sub.entry(sub.name.clone()).or_default() += 1;
-        let bytes = decoded.as_ref().map_or(0, |(_, bytes)| *bytes);
-        sizes.push(((sub.name.clone(), seq), attempt, bytes));
-        match decoded {
-            Ok((event, _)) => {
-                deliveries.push(Delivery::new(event, attempt, sub, shared.clone(), permit));
+        // Not ours cannot happen: the statement filters by our names.
+        let sub = self.subs.get(sub)?;
+        match decode::event(row, seq) {
+            Ok((event, bytes)) => {
+                let slot = self.slots.take(sub, seq, attempt, bytes);
+                let delivery = Delivery::new(event, slot, self.settler.clone());
+                Some((sub.name.clone(), Some(delivery)))
             }
             Err(e) => {
-                let event = decode::placeholder(&row, seq);
+                let event = decode::placeholder(row, seq);
                 tracing::error!(
                     messaging.destination.subscription.name = %sub.name,
                     pgbus.event_seq = seq,
@@ -186,706 +435,25 @@ async fn claim(
                     error = %e,
                     "pgbus cannot decode an event; dead-lettering its delivery"
                 );
-                Delivery::new(event, attempt, sub, shared.clone(), permit).settle_nowait(
-                    Action::Fail {
-                        error: format!("the event cannot be decoded: {e}"),
-                        delay: Duration::ZERO,
-                        permanent: true,
-                    },
-                );
-            }
-        }
-    }
-    Ok(Claimed {
-        deliveries,
-        per_sub,
-        next_due,
-        cut,
-        sizes,
-    })
-}
-
-/// The stream of deliveries claimed for this bus's subscriptions.
-///
-/// It claims while batches come back full, claims only as many deliveries as there are
-/// free slots (backpressure: in-flight deliveries never exceed the concurrency plus one
-/// batch) and as fit in what is left of the byte budget, and otherwise waits for a notification, the next due retry or the fallback
-/// poll interval, whichever comes first. It ends when the bus shuts down.
-pub struct ClaimStream {
-    inner: Pin<Box<dyn Stream<Item = Delivery> + Send>>,
-}
-
-impl std::fmt::Debug for ClaimStream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClaimStream").finish_non_exhaustive()
-    }
-}
-
-impl Stream for ClaimStream {
-    type Item = Delivery;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
-        self.inner.as_mut().poll_next(cx)
-    }
-}
-
-impl ClaimStream {
-    pub(crate) fn new(shared: Arc<Shared>) -> ClaimStream {
-        let inner = async_stream::stream! {
-            let opts = shared.opts.clone();
-            let mut awake = shared.opts.poll_only;
-            let mut last_work = Instant::now() - LINGER;
-            let mut recheck = RECHECKS.len();
-            let mut mark_errors: u32 = 0;
-            // Whether this outage's first claim error was logged as a warning.
-            let mut warned = false;
-            let mut errors: u32 = 0;
-            let mut by_poll = false;
-            let mut held_bytes = HeldBytes::default();
-            let subs: Vec<_> = shared.subs.values().cloned().collect();
-            loop {
-                if shared.stopping.is_cancelled() {
-                    break;
-                }
-                let free = shared.capacity.available_permits().min(opts.batch_size);
-                let quotas: Vec<(Arc<str>, usize)> = subs
-                    .iter()
-                    .map(|s| (s.name.clone(), s.quota(free)))
-                    .filter(|(_, q)| *q > 0)
-                    .collect();
-                let holding = held_bytes.current(&shared);
-                let budget = opts.claim_bytes.saturating_sub(holding);
-                if free == 0 || quotas.is_empty() || (holding > 0 && budget == 0) {
-                    // Every slot, or the byte budget, is taken: wait for a settlement.
-                    tokio::select! {
-                        _ = shared.stopping.cancelled() => break,
-                        _ = shared.capacity_changed.notified() => continue,
-                    }
-                }
-                let span = tracing::debug_span!(
-                    "pgbus.claim",
-                    messaging.system = "postgresql",
-                    messaging.operation = "receive",
-                    messaging.batch.message_count = tracing::field::Empty,
-                    pgbus.requested = free,
-                );
-                let claimed = claim(&shared, &quotas, free, budget)
-                    .instrument(span.clone())
-                    .await;
-                let claimed = match claimed {
-                    Ok(c) => {
-                        if errors > 0 && warned {
-                            tracing::info!(after_errors = errors, "pgbus claims succeed again");
-                        } else if errors > 0 {
-                            tracing::debug!(after_errors = errors, "pgbus claims succeed again");
-                        }
-                        errors = 0;
-                        c
-                    }
-                    Err(e) => {
-                        if errors == 0 {
-                            warned = shared.claim_warn.allow();
-                        }
-                        if errors == 0 && warned {
-                            tracing::warn!(error = %e, "pgbus claim failed; retrying with backoff");
-                        } else {
-                            tracing::debug!(error = %e, errors, "pgbus claim failed again");
-                        }
-                        errors += 1;
-                        shared.stats.claim_errors.fetch_add(1, Ordering::Relaxed);
-                        let delay = crate::listen::backoff_delay(errors).min(opts.poll_interval);
-                        tokio::select! {
-                            _ = shared.stopping.cancelled() => break,
-                            _ = tokio::time::sleep(delay) => continue,
-                        }
-                    }
-                };
-                let n = claimed.deliveries.len();
-                held_bytes.add(claimed.sizes);
-                span.record("messaging.batch.message_count", n);
-                shared.stats.claims.fetch_add(1, Ordering::Relaxed);
-                if n > 0 {
-                    last_work = Instant::now();
-                    if by_poll {
-                        shared.stats.polls_found_work.fetch_add(1, Ordering::Relaxed);
-                    }
-                    if n as i32 >= AWAKE_THRESHOLD {
-                        awake = true;
-                    }
-                }
-                by_poll = false;
-                // Did a subscription's own limit hold back due work?
-                let limited = quotas.iter().any(|(name, q)| {
-                    *q < free && claimed.per_sub.get(name).copied().unwrap_or(0) >= *q
+                let slot = self.slots.take(sub, seq, attempt, 0);
+                Delivery::new(event, slot, self.settler.clone()).settle_nowait(Action::Fail {
+                    error: format!("the event cannot be decoded: {e}"),
+                    delay: Duration::ZERO,
+                    permanent: true,
                 });
-                for d in claimed.deliveries {
-                    yield d;
-                }
-                if n >= free || claimed.cut {
-                    continue; // a full batch, or cut by the byte budget: there may be more
-                }
-                let now = Instant::now();
-                let mut wait = opts.poll_interval;
-                if let Some(due) = claimed.next_due {
-                    wait = wait.min(due);
-                }
-                if awake && !opts.poll_only {
-                    if now.duration_since(last_work) < LINGER {
-                        wait = wait.min(COOLDOWN);
-                    } else {
-                        // Fall asleep, then claim once more. The mark waits for every
-                        // publisher that read "awake" to commit (`pgbus.mark_asleep`), so
-                        // that claim finds their events; publishers after it notify.
-                        match sleep_mark(&shared).await {
-                            Ok(()) => {
-                                awake = false;
-                                mark_errors = 0;
-                                recheck = 0;
-                                continue;
-                            }
-                            Err(e) => {
-                                // Still marked awake, so nobody notifies: keep polling,
-                                // on a backoff no longer than the re-checks', and try
-                                // the mark again.
-                                mark_errors += 1;
-                                tracing::debug!(error = %e, "pgbus could not mark itself asleep");
-                                wait = wait.min(
-                                    crate::listen::backoff_delay(mark_errors)
-                                        .min(RECHECKS[RECHECKS.len() - 1]),
-                                );
-                            }
-                        }
-                    }
-                } else if recheck < RECHECKS.len() {
-                    wait = wait.min(RECHECKS[recheck]);
-                    recheck += 1;
-                }
-                tokio::select! {
-                    _ = shared.stopping.cancelled() => break,
-                    _ = shared.wake.notified() => {
-                        if shared.notified.swap(false, Ordering::AcqRel) {
-                            shared.stats.wakeups_by_notification.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    _ = tokio::time::sleep(wait) => {
-                        if wait == opts.poll_interval {
-                            shared.stats.wakeups_by_poll.fetch_add(1, Ordering::Relaxed);
-                            by_poll = true;
-                        }
-                    }
-                    _ = shared.capacity_changed.notified(), if limited => {}
-                }
-            }
-        };
-        ClaimStream {
-            inner: Box::pin(inner),
-        }
-    }
-}
-
-async fn sleep_mark(shared: &Shared) -> Result<()> {
-    let client = shared.pool.get().await?;
-    let stmt = client
-        .prepare_typed_cached(sql::CONSUMER_SLEEP, &[Type::TEXT])
-        .await?;
-    client.execute(&stmt, &[&shared.worker_id]).await?;
-    Ok(())
-}
-
-/// The most settlements written by one statement.
-const SETTLE_BATCH: usize = 2000;
-
-/// How many times a whole batch is tried when PostgreSQL refuses it for a reason that is
-/// neither passing nor plainly a value's fault, before it is split.
-const TRIES_BEFORE_SPLIT: u32 = 3;
-
-/// How many times a batch is tried, once the bus is stopping, while the database stays
-/// unreachable.
-const TRIES_WHILE_STOPPING: u32 = 5;
-
-/// The acker: writes settlements in batches (one statement each), answers the waiting
-/// callers, and keeps the stats. Runs until `stop` is cancelled and everything queued
-/// has been written (or could not be).
-pub(crate) async fn run_acker(
-    shared: Arc<Shared>,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<SettleMsg>,
-    stop: tokio_util::sync::CancellationToken,
-) {
-    loop {
-        let first = tokio::select! {
-            biased;
-            m = rx.recv() => m,
-            _ = stop.cancelled() => None,
-        };
-        let mut batch = match first {
-            Some(m) => vec![m],
-            None => {
-                // Stopping: write what is queued, then end.
-                let mut rest = Vec::new();
-                while let Ok(m) = rx.try_recv() {
-                    rest.push(m);
-                }
-                while !rest.is_empty() {
-                    let chunk: Vec<SettleMsg> =
-                        rest.drain(..rest.len().min(SETTLE_BATCH)).collect();
-                    write_batch(&shared, chunk, &stop).await;
-                }
-                return;
-            }
-        };
-        while batch.len() < SETTLE_BATCH {
-            match rx.try_recv() {
-                Ok(m) => batch.push(m),
-                Err(_) => break,
-            }
-        }
-        write_batch(&shared, batch, &stop).await;
-    }
-}
-
-/// Writes one batch of settlements: one statement, when it succeeds.
-///
-/// A statement that fails for a reason that passes ([`Error::is_transient`]: the
-/// connection, the pool, a lock, a timeout, a deadlock, too many connections) is retried
-/// with backoff for as long as the bus runs, and a few times once it is stopping. One
-/// that PostgreSQL refuses because of a value in it (or for another reason, after a few
-/// tries) is split in halves, each written on its own and split again if it fails, until
-/// the settlement at fault stands alone: only that one is given up (its waiter gets the
-/// error, its lease expires and the delivery returns); every other is written.
-async fn write_batch(
-    shared: &Arc<Shared>,
-    batch: Vec<SettleMsg>,
-    stop: &tokio_util::sync::CancellationToken,
-) {
-    let mut parts = vec![(batch, TRIES_BEFORE_SPLIT)];
-    while let Some((part, tries)) = parts.pop() {
-        match write_part(shared, &part, tries, stop).await {
-            Ok(settled) => applied(shared, part, settled),
-            Err(e) if part.len() > 1 && !e.is_transient() => {
-                if tries == TRIES_BEFORE_SPLIT {
-                    tracing::warn!(
-                        error = %e,
-                        n = part.len(),
-                        "pgbus could not write a batch of settlements; writing it in parts to isolate the one at fault"
-                    );
-                }
-                // A part of a split is tried once before it is split again: the batch it
-                // came from was already retried.
-                let mut left = part;
-                let right = left.split_off(left.len() / 2);
-                parts.push((right, 1));
-                parts.push((left, 1));
-            }
-            Err(e) => given_up(shared, part, &e),
-        }
-    }
-}
-
-/// Runs the SETTLE statement for one batch (or part of one), retrying what passes.
-async fn write_part(
-    shared: &Shared,
-    part: &[SettleMsg],
-    tries_allowed: u32,
-    stop: &tokio_util::sync::CancellationToken,
-) -> Result<Settled> {
-    let mut tries: u32 = 0;
-    let mut tries_stopping: u32 = 0;
-    loop {
-        let e = match settle(shared, part).await {
-            Ok(settled) => {
-                if tries > 0 {
-                    tracing::info!(
-                        after_errors = tries,
-                        n = part.len(),
-                        "pgbus wrote the settlements"
-                    );
-                }
-                return Ok(settled);
-            }
-            Err(e) => e,
-        };
-        tries += 1;
-        if e.is_transient() {
-            if stop.is_cancelled() {
-                tries_stopping += 1;
-                if tries_stopping >= TRIES_WHILE_STOPPING {
-                    return Err(e);
-                }
-            }
-        } else if e.is_data_fault() || tries >= tries_allowed {
-            return Err(e);
-        }
-        if tries == 1 && shared.settle_warn.allow() {
-            tracing::warn!(error = %e, n = part.len(), "pgbus could not write settlements; retrying");
-        } else {
-            tracing::debug!(error = %e, n = part.len(), tries, "pgbus could not write settlements again");
-        }
-        let delay = crate::listen::backoff_delay(tries);
-        if stop.is_cancelled() {
-            tokio::time::sleep(delay).await;
-        } else {
-            // Shutdown cuts the wait short: from then on, the tries are bounded.
-            tokio::select! {
-                _ = tokio::time::sleep(delay) => {}
-                _ = stop.cancelled() => {}
+                Some((sub.name.clone(), None))
             }
         }
     }
 }
 
-/// The deliveries of these settlements are no longer held here: their leases are no
-/// longer extended.
-fn unhold(shared: &Shared, part: &[SettleMsg]) {
-    let mut held = shared.held.lock().expect("held lock");
-    for m in part {
-        let key = (m.subscription.clone(), m.seq);
-        if held.get(&key) == Some(&m.attempt) {
-            held.remove(&key);
-        }
+/// The wait until the next due delivery, from the seconds PostgreSQL computed: any float
+/// (NaN, infinite, negative, huge) gives a usable duration or none.
+fn due_in(secs: f64) -> Option<Duration> {
+    if secs.is_nan() {
+        return None;
     }
-}
-
-/// Counts and answers settlements the database confirmed (applied, or rejected as stale).
-fn applied(shared: &Shared, part: Vec<SettleMsg>, settled: Settled) {
-    unhold(shared, &part);
-    let Settled {
-        rejected,
-        dead,
-        promoted,
-    } = settled;
-    let mut retry_scheduled = false;
-    for mut m in part {
-        let key = (m.subscription.clone(), m.seq);
-        let kind = action_kind(&m.action);
-        let ok = !rejected.contains(&(kind, key.clone()));
-        if ok {
-            match &m.action {
-                Action::Ack => {
-                    shared.stats.delivered.fetch_add(1, Ordering::Relaxed);
-                }
-                Action::Fail { error, .. } => {
-                    shared.stats.failed.fetch_add(1, Ordering::Relaxed);
-                    if dead.contains(&key) {
-                        shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(
-                            messaging.destination.subscription.name = %m.subscription,
-                            pgbus.event_seq = m.seq,
-                            pgbus.attempt = m.attempt,
-                            error = %error,
-                            "pgbus delivery dead-lettered"
-                        );
-                    } else {
-                        retry_scheduled = true;
-                    }
-                }
-                Action::Release => {
-                    shared.stats.released.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        } else {
-            shared.stats.stale_rejected.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(
-                messaging.destination.subscription.name = %m.subscription,
-                pgbus.event_seq = m.seq,
-                pgbus.attempt = m.attempt,
-                kind,
-                "pgbus rejected a stale settlement: the lease had been taken over"
-            );
-        }
-        if let Some(reply) = m.reply.take() {
-            let _ = reply.send(if ok {
-                Outcome::Applied
-            } else {
-                Outcome::Rejected
-            });
-        }
-        m.release_slot(shared);
-    }
-    if retry_scheduled || promoted {
-        // The claimer learns the next due retry from its next claim.
-        shared.wake.notify_one();
-    }
-}
-
-/// Gives up settlements that could not be written: nothing is counted as done, the
-/// waiters get the error, and the leases will expire and the deliveries return.
-fn given_up(shared: &Shared, part: Vec<SettleMsg>, error: &Error) {
-    unhold(shared, &part);
-    shared.stats.settle_errors.fetch_add(1, Ordering::Relaxed);
-    match part.as_slice() {
-        [m] => tracing::error!(
-            messaging.destination.subscription.name = %m.subscription,
-            pgbus.event_seq = m.seq,
-            pgbus.attempt = m.attempt,
-            kind = action_kind(&m.action),
-            error = %error,
-            "pgbus gave up writing a settlement; the lease will expire and the delivery return"
-        ),
-        _ => tracing::error!(
-            error = %error,
-            n = part.len(),
-            "pgbus gave up writing settlements; the leases will expire and the deliveries return"
-        ),
-    }
-    let reason = error.to_string();
-    for mut m in part {
-        if let Some(reply) = m.reply.take() {
-            let _ = reply.send(Outcome::Failed(reason.clone()));
-        }
-        m.release_slot(shared);
-    }
-}
-
-fn action_kind(a: &Action) -> &'static str {
-    match a {
-        Action::Ack => "ack",
-        Action::Fail { .. } => "fail",
-        Action::Release => "release",
-    }
-}
-
-type Key = (Arc<str>, i64);
-
-/// What one SETTLE statement did.
-struct Settled {
-    /// The stale settlements, by kind.
-    rejected: HashSet<(&'static str, Key)>,
-    /// The deliveries it dead-lettered.
-    dead: HashSet<Key>,
-    /// Whether it promoted the next delivery of some key (ordered subscriptions).
-    promoted: bool,
-}
-
-/// Runs the SETTLE statement for a batch.
-async fn settle(shared: &Shared, batch: &[SettleMsg]) -> Result<Settled> {
-    let mut ack = (Vec::new(), Vec::new(), Vec::new());
-    let mut fail = (
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-    );
-    let mut rel = (Vec::new(), Vec::new(), Vec::new());
-    for m in batch {
-        match &m.action {
-            Action::Ack => {
-                ack.0.push(&*m.subscription);
-                ack.1.push(m.seq);
-                ack.2.push(m.attempt);
-            }
-            Action::Fail {
-                error,
-                delay,
-                permanent,
-            } => {
-                fail.0.push(&*m.subscription);
-                fail.1.push(m.seq);
-                fail.2.push(m.attempt);
-                fail.3.push(error.as_str());
-                // Clamped already (Action::storable); kept in range here regardless.
-                fail.4
-                    .push(crate::retry::clamp_delay(*delay).as_millis() as i64);
-                fail.5.push(*permanent);
-            }
-            Action::Release => {
-                rel.0.push(&*m.subscription);
-                rel.1.push(m.seq);
-                rel.2.push(m.attempt);
-            }
-        }
-    }
-    let client = shared.pool.get().await?;
-    let stmt = client
-        .prepare_typed_cached(
-            sql::SETTLE,
-            &[
-                Type::TEXT_ARRAY,
-                Type::INT8_ARRAY,
-                Type::INT4_ARRAY,
-                Type::TEXT_ARRAY,
-                Type::INT8_ARRAY,
-                Type::INT4_ARRAY,
-                Type::TEXT_ARRAY,
-                Type::INT8_ARRAY,
-                Type::BOOL_ARRAY,
-                Type::TEXT_ARRAY,
-                Type::INT8_ARRAY,
-                Type::INT4_ARRAY,
-                Type::TEXT,
-            ],
-        )
-        .await?;
-    let rows = client
-        .query(
-            &stmt,
-            &[
-                &ack.0,
-                &ack.1,
-                &ack.2,
-                &fail.0,
-                &fail.1,
-                &fail.2,
-                &fail.3,
-                &fail.4,
-                &fail.5,
-                &rel.0,
-                &rel.1,
-                &rel.2,
-                &shared.worker_id,
-            ],
-        )
-        .await?;
-    let mut rejected = HashSet::new();
-    let mut dead = HashSet::new();
-    let mut promoted = false;
-    for row in rows {
-        let kind: &str = row.try_get(0)?;
-        let (Some(sub), Some(seq)) = (
-            row.try_get::<_, Option<&str>>(1)?,
-            row.try_get::<_, Option<i64>>(2)?,
-        ) else {
-            continue; // "woke": sleeping buses were notified
-        };
-        let key: Key = (Arc::from(sub), seq);
-        match kind {
-            "dead" => {
-                dead.insert(key);
-            }
-            "promoted" => promoted = true,
-            "ack" => {
-                rejected.insert(("ack", key));
-            }
-            "fail" => {
-                rejected.insert(("fail", key));
-            }
-            _ => {
-                rejected.insert(("release", key));
-            }
-        }
-    }
-    Ok(Settled {
-        rejected,
-        dead,
-        promoted,
-    })
-}
-
-/// Extends the leases of every delivery this bus still holds; returns how many.
-pub(crate) async fn extend_leases(shared: &Shared) -> Result<u64> {
-    let held: Vec<(Arc<str>, i64, i32)> = shared
-        .held
-        .lock()
-        .expect("held lock")
-        .iter()
-        .map(|((s, q), a)| (s.clone(), *q, *a))
-        .collect();
-    if held.is_empty() {
-        return Ok(0);
-    }
-    let subs: Vec<&str> = held.iter().map(|(s, _, _)| &**s).collect();
-    let seqs: Vec<i64> = held.iter().map(|(_, q, _)| *q).collect();
-    let attempts: Vec<i32> = held.iter().map(|(_, _, a)| *a).collect();
-    let lease_ms = shared.opts.lease.as_millis() as i64;
-    let client = shared.pool.get().await?;
-    let stmt = client
-        .prepare_typed_cached(
-            sql::EXTEND,
-            &[
-                Type::TEXT_ARRAY,
-                Type::INT8_ARRAY,
-                Type::INT4_ARRAY,
-                Type::INT8,
-                Type::TEXT,
-            ],
-        )
-        .await?;
-    let n = client
-        .execute(
-            &stmt,
-            &[&subs, &seqs, &attempts, &lease_ms, &shared.worker_id],
-        )
-        .await?;
-    Ok(n)
-}
-
-/// Reaps expired leases (of any bus); returns (back to pending, dead-lettered).
-pub(crate) async fn reap(shared: &Shared) -> Result<(i64, i64)> {
-    let client = shared.pool.get().await?;
-    let stmt = client
-        .prepare_typed_cached(sql::REAP, &[Type::INT4])
-        .await?;
-    let row = client.query_one(&stmt, &[&1000_i32]).await?;
-    Ok((row.try_get(0)?, row.try_get(1)?))
-}
-
-/// Repairs keys of ordered subscriptions left without a head; returns how many.
-pub(crate) async fn repair_orphans(shared: &Shared) -> Result<usize> {
-    let client = shared.pool.get().await?;
-    let stmt = client
-        .prepare_typed_cached(sql::REPAIR, &[Type::INT4])
-        .await?;
-    let rows = client.query(&stmt, &[&1000_i32]).await?;
-    for row in &rows {
-        let sub: &str = row.try_get(0)?;
-        let key: &str = row.try_get(1)?;
-        let seq: i64 = row.try_get(2)?;
-        tracing::error!(
-            messaging.destination.subscription.name = sub,
-            pgbus.ordering_key = key,
-            pgbus.event_seq = seq,
-            "pgbus repaired an ordering key that had no head"
-        );
-    }
-    Ok(rows.len())
-}
-
-/// Registers or renews this bus's row in `pgbus.consumers`; returns the bus's
-/// subscriptions that no longer exist.
-pub(crate) async fn consumer_heartbeat(shared: &Shared) -> Result<Vec<String>> {
-    let client = shared.pool.get().await?;
-    let stmt = client
-        .prepare_typed_cached(
-            sql::CONSUMER_HEARTBEAT,
-            &[
-                Type::TEXT,
-                Type::INT8,
-                Type::TEXT_ARRAY,
-                Type::TEXT,
-                Type::BOOL,
-            ],
-        )
-        .await?;
-    let ttl_ms = crate::bus::CONSUMER_TTL.as_millis() as i64;
-    let subs: Vec<&str> = shared.subs.keys().map(|s| &**s).collect();
-    let info = format!(
-        "pid {} on {}",
-        std::process::id(),
-        std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown host".into())
-    );
-    let row = client
-        .query_one(
-            &stmt,
-            &[
-                &shared.worker_id,
-                &ttl_ms,
-                &subs,
-                &info,
-                &shared.opts.poll_only,
-            ],
-        )
-        .await?;
-    Ok(row.try_get(0)?)
-}
-
-/// Removes this bus's row from `pgbus.consumers`.
-pub(crate) async fn consumer_remove(shared: &Shared) -> Result<()> {
-    let client = shared.pool.get().await?;
-    client
-        .execute(sql::CONSUMER_REMOVE, &[&shared.worker_id])
-        .await?;
-    Ok(())
+    Some(Duration::from_secs_f64(secs.clamp(0.0, MAX_DUE)))
 }
 
 #[cfg(test)]

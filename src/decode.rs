@@ -13,28 +13,6 @@ use tokio_postgres::types::{FromSql, Type};
 
 use crate::event::Event;
 
-/// The columns of [`CLAIM`](crate::sql::CLAIM)'s result, by position.
-pub(crate) mod col {
-    pub(crate) const NEXT_DUE: usize = 0;
-    pub(crate) const SUBSCRIPTION: usize = 1;
-    pub(crate) const ATTEMPTS: usize = 2;
-    pub(crate) const SEQ: usize = 3;
-    pub(crate) const ID: usize = 4;
-    pub(crate) const EVENT_NAME: usize = 5;
-    pub(crate) const EVENT_VERSION: usize = 6;
-    pub(crate) const SOURCE: usize = 7;
-    pub(crate) const AGGREGATE_TYPE: usize = 8;
-    pub(crate) const AGGREGATE_ID: usize = 9;
-    pub(crate) const CORRELATION_ID: usize = 10;
-    pub(crate) const CAUSATION_ID: usize = 11;
-    pub(crate) const OCCURRED_AT: usize = 12;
-    pub(crate) const PAYLOAD: usize = 13;
-    pub(crate) const HEADERS: usize = 14;
-    pub(crate) const CREATED_AT: usize = 15;
-    pub(crate) const ORDERING_KEY: usize = 16;
-    pub(crate) const CUT: usize = 17;
-}
-
 /// A column that could not be decoded, and why.
 #[derive(Debug)]
 pub(crate) struct Undecodable {
@@ -52,8 +30,8 @@ impl std::fmt::Display for Undecodable {
 /// Decodes the event of one claimed row. `seq` was read already (the delivery's key).
 /// Returns it with the bytes of JSON text its payload and headers arrived as.
 pub(crate) fn event(row: &Row, seq: i64) -> Result<(Event, usize), Undecodable> {
-    let payload: Jsonb = get(row, col::PAYLOAD, "payload")?;
-    let headers: Jsonb = get(row, col::HEADERS, "headers")?;
+    let payload: Jsonb = get(row, "payload")?;
+    let headers: Jsonb = get(row, "headers")?;
     if !headers.value.is_object() {
         return Err(Undecodable {
             column: "headers",
@@ -63,26 +41,26 @@ pub(crate) fn event(row: &Row, seq: i64) -> Result<(Event, usize), Undecodable> 
             ),
         });
     }
-    let occurred_at: Timestamp = get(row, col::OCCURRED_AT, "occurred_at")?;
-    let created_at: Timestamp = get(row, col::CREATED_AT, "created_at")?;
+    let occurred_at: Timestamp = get(row, "occurred_at")?;
+    let created_at: Timestamp = get(row, "created_at")?;
     let bytes = payload.bytes + headers.bytes;
     let event = Event {
         seq: Some(seq),
-        id: get(row, col::ID, "id")?,
-        name: get(row, col::EVENT_NAME, "event_name")?,
-        version: get(row, col::EVENT_VERSION, "event_version")?,
-        source: get(row, col::SOURCE, "source")?,
-        aggregate_type: get(row, col::AGGREGATE_TYPE, "aggregate_type")?,
-        aggregate_id: get(row, col::AGGREGATE_ID, "aggregate_id")?,
-        correlation_id: get(row, col::CORRELATION_ID, "correlation_id")?,
-        causation_id: get(row, col::CAUSATION_ID, "causation_id")?,
+        id: get(row, "id")?,
+        name: get(row, "event_name")?,
+        version: get(row, "event_version")?,
+        source: get(row, "source")?,
+        aggregate_type: get(row, "aggregate_type")?,
+        aggregate_id: get(row, "aggregate_id")?,
+        correlation_id: get(row, "correlation_id")?,
+        causation_id: get(row, "causation_id")?,
         occurred_at: Some(occurred_at.0),
         payload: payload.value,
         headers: headers.value,
         deliver_at: None,
         delay: None,
         created_at: Some(created_at.0),
-        ordering_key: get(row, col::ORDERING_KEY, "ordering_key")?,
+        ordering_key: get(row, "ordering_key")?,
     };
     Ok((event, bytes))
 }
@@ -91,21 +69,18 @@ pub(crate) fn event(row: &Row, seq: i64) -> Result<(Event, usize), Undecodable> 
 /// that column at least is readable (for the logs).
 pub(crate) fn placeholder(row: &Row, seq: i64) -> Event {
     let mut event = Event::new(
-        row.try_get::<_, String>(col::EVENT_NAME)
-            .unwrap_or_default(),
+        row.try_get::<_, String>("event_name").unwrap_or_default(),
         Value::Null,
     );
-    event.id = row.try_get::<_, String>(col::ID).unwrap_or_default();
+    event.id = row.try_get::<_, String>("id").unwrap_or_default();
     event.seq = Some(seq);
     event
 }
 
-fn get<'a, T: FromSql<'a>>(
-    row: &'a Row,
-    idx: usize,
-    column: &'static str,
-) -> Result<T, Undecodable> {
-    row.try_get(idx).map_err(|e| Undecodable {
+/// The column `column` of a claimed row (by name: [`CLAIM`](crate::sql::CLAIM) returns
+/// the event's columns under their names in `pgbus.events`).
+fn get<'a, T: FromSql<'a>>(row: &'a Row, column: &'static str) -> Result<T, Undecodable> {
+    row.try_get(column).map_err(|e| Undecodable {
         column,
         // tokio-postgres wraps the cause in "error deserializing column N": the cause
         // is what says what is wrong.

@@ -1,194 +1,178 @@
-//! Handlers, subscriptions and routing: each subscription is one handler (or one
-//! in-process stream), with its own retry policy, concurrency limit and timeout.
+//! Dispatching: each claimed delivery goes to its subscription, a handler task (under the
+//! bus's and the subscription's concurrency limits, with its timeout, panics caught) or an
+//! in-process stream.
 
-use std::future::Future;
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use futures::FutureExt;
-use futures::future::BoxFuture;
-use tokio::sync::Semaphore;
+use futures::{FutureExt, Stream, StreamExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tracing::Instrument;
 
+use crate::delivery::Delivery;
 use crate::error::HandlerError;
-use crate::event::Event;
-use crate::ordering::DeadHeadPolicy;
-use crate::retry::RetryPolicy;
-use crate::subscribe::Delivery;
-
-/// A subscription's handler: it names the subscription, says which events it wants, and
-/// handles each of them.
-///
-/// A handler runs at least once per matching event and must tolerate running again for
-/// the same event (at-least-once delivery): after a crash, a lost lease, or a failed
-/// acknowledgement. Returning `Err` is a failed attempt; so is a panic and running past
-/// the subscription's timeout.
-///
-/// ```
-/// use pgbus::{Event, Handler, HandlerError};
-///
-/// struct SendReceipt;
-///
-/// impl Handler for SendReceipt {
-///     fn name(&self) -> &str {
-///         "send-receipt"
-///     }
-///     fn patterns(&self) -> Vec<String> {
-///         vec!["order.placed".into()]
-///     }
-///     async fn handle(&self, event: &Event) -> Result<(), HandlerError> {
-///         let _order_id = event.payload["order_id"].as_i64();
-///         Ok(())
-///     }
-/// }
-/// ```
-pub trait Handler: Send + Sync + 'static {
-    /// The subscription's name: stable across deploys, since delivery state is kept
-    /// under it.
-    fn name(&self) -> &str;
-
-    /// The event-name patterns the subscription matches: `*`, an exact name
-    /// (`order.placed`), or a prefix (`order.*`).
-    fn patterns(&self) -> Vec<String>;
-
-    /// Handles one event.
-    fn handle(&self, event: &Event) -> impl Future<Output = Result<(), HandlerError>> + Send;
-}
-
-/// The object-safe form of [`Handler`] that the bus stores.
-pub(crate) trait DynHandler: Send + Sync {
-    fn call<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<(), HandlerError>>;
-}
-
-impl<H: Handler> DynHandler for H {
-    fn call<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<(), HandlerError>> {
-        self.handle(event).boxed()
-    }
-}
-
-/// A handler made of a closure (see [`BusBuilder::handler_fn`](crate::BusBuilder::handler_fn)).
-pub(crate) struct FnHandler<F> {
-    pub(crate) f: F,
-}
-
-impl<F, Fut> DynHandler for FnHandler<F>
-where
-    F: Fn(Event) -> Fut + Send + Sync,
-    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
-{
-    fn call<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<(), HandlerError>> {
-        (self.f)(event.clone()).boxed()
-    }
-}
-
-/// Per-subscription settings; unset fields take the bus's defaults.
-#[derive(Debug, Clone, Default)]
-#[non_exhaustive]
-pub struct SubscriptionOptions {
-    /// How failures are retried, and the maximum attempts (default: the bus's policy).
-    pub retry: Option<RetryPolicy>,
-    /// The most deliveries of this subscription handled at once (default: only the bus's
-    /// limit applies). For a stream subscription: how many deliveries may be claimed and
-    /// not yet settled (default: the bus's concurrency).
-    pub concurrency: Option<usize>,
-    /// How long one attempt may run before it counts as failed (default: the bus's
-    /// handler timeout).
-    pub timeout: Option<Duration>,
-    /// Deliver each ordering key's events one at a time, in commit order. Unset (the
-    /// default): a new subscription is unordered, an existing one keeps what is stored.
-    /// Set and different from what is stored: the bus refuses to start unless
-    /// [`BusBuilder::reconfigure`](crate::BusBuilder::reconfigure). See [`crate::ordering`].
-    pub ordered: Option<bool>,
-    /// For an ordered subscription, what a dead head does to its key. Unset (the
-    /// default): [`DeadHeadPolicy::Block`] for a new subscription, the stored policy for
-    /// an existing one.
-    pub on_dead: Option<DeadHeadPolicy>,
-}
-
-impl SubscriptionOptions {
-    /// Options with every field unset.
-    pub fn new() -> Self {
-        SubscriptionOptions::default()
-    }
-
-    /// Sets the retry policy.
-    pub fn retry(mut self, retry: RetryPolicy) -> Self {
-        self.retry = Some(retry);
-        self
-    }
-
-    /// Sets the concurrency limit.
-    pub fn concurrency(mut self, limit: usize) -> Self {
-        self.concurrency = Some(limit.max(1));
-        self
-    }
-
-    /// Sets the per-attempt timeout.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = Some(timeout);
-        self
-    }
-
-    /// Makes the subscription ordered: one delivery per ordering key at a time, in the
-    /// order the events' transactions committed.
-    pub fn ordered(mut self, ordered: bool) -> Self {
-        self.ordered = Some(ordered);
-        self
-    }
-
-    /// Sets what a dead head does to its key in an ordered subscription.
-    pub fn on_dead(mut self, policy: DeadHeadPolicy) -> Self {
-        self.on_dead = Some(policy);
-        self
-    }
-}
+use crate::handler::DynHandler;
+use crate::settle::Action;
+use crate::shutdown::Shutdown;
 
 /// Where a subscription's deliveries go.
 pub(crate) enum Target {
-    Handler(Arc<dyn DynHandler>),
-    Stream(tokio::sync::mpsc::UnboundedSender<Delivery>),
+    Handler {
+        handler: Arc<dyn DynHandler>,
+        timeout: Option<Duration>,
+        /// Limits concurrent runs of this subscription's handler, if set.
+        limit: Option<Arc<Semaphore>>,
+    },
+    Stream(mpsc::UnboundedSender<Delivery>),
 }
 
-/// A subscription as the running bus keeps it.
-pub(crate) struct SubRuntime {
-    pub(crate) name: Arc<str>,
-    /// The settings this bus asks for (unset ones follow the stored subscription).
-    pub(crate) asked: crate::admin::SubscriptionChange,
-    pub(crate) retry: RetryPolicy,
-    pub(crate) timeout: Option<Duration>,
-    /// Claimed and not yet settled, for the claim quota.
-    pub(crate) held: AtomicUsize,
-    /// The most this subscription may hold at once, if limited.
-    pub(crate) limit: Option<usize>,
-    /// Limits concurrent handler runs of this subscription.
-    pub(crate) run_limit: Option<Arc<Semaphore>>,
-    pub(crate) target: Target,
-}
-
-impl std::fmt::Debug for SubRuntime {
+impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SubRuntime")
-            .field("name", &self.name)
-            .field("asked", &self.asked)
-            .field("held", &self.held.load(Ordering::Relaxed))
-            .finish_non_exhaustive()
-    }
-}
-
-impl SubRuntime {
-    /// How many deliveries this subscription may claim now, out of `free`.
-    pub(crate) fn quota(&self, free: usize) -> usize {
-        match self.limit {
-            Some(limit) => limit
-                .saturating_sub(self.held.load(Ordering::Acquire))
-                .min(free),
-            None => free,
+        match self {
+            Target::Handler { timeout, .. } => f
+                .debug_struct("Handler")
+                .field("timeout", timeout)
+                .finish_non_exhaustive(),
+            Target::Stream(_) => f.write_str("Stream"),
         }
     }
 }
 
+/// The dispatcher: the subscriptions' targets by name, and the bus's concurrency limit.
+#[derive(Debug)]
+pub(crate) struct Dispatcher {
+    pub(crate) targets: HashMap<Arc<str>, Target>,
+    pub(crate) concurrency: usize,
+    pub(crate) shutdown: Arc<Shutdown>,
+    pub(crate) shutdown_timeout: Duration,
+}
+
+impl Dispatcher {
+    /// Routes every delivery of `claims` until it ends (the bus is stopping); then waits
+    /// for running handlers until the handlers' deadline and aborts the rest (their
+    /// deliveries count as failed attempts and return at once).
+    pub(crate) async fn run(self, claims: impl Stream<Item = Delivery> + Send) {
+        let run_limit = Arc::new(Semaphore::new(self.concurrency));
+        let mut tasks = JoinSet::new();
+        tokio::pin!(claims);
+        while let Some(delivery) = claims.next().await {
+            while tasks.try_join_next().is_some() {}
+            match self.targets.get(delivery.subscription()) {
+                // A dropped stream drops the delivery unstarted: it is released. So does a
+                // stopping bus, whose streams are no longer read.
+                Some(Target::Stream(tx)) if !self.shutdown.is_stopping() => {
+                    let _ = tx.send(delivery);
+                }
+                Some(Target::Stream(_)) => {}
+                Some(Target::Handler {
+                    handler,
+                    timeout,
+                    limit,
+                }) => {
+                    let run = Run {
+                        handler: handler.clone(),
+                        timeout: *timeout,
+                        limits: [Some(run_limit.clone()), limit.clone()],
+                        shutdown: self.shutdown.clone(),
+                    };
+                    tasks.spawn(run.handle(delivery));
+                }
+                None => {} // cannot happen: the claimer claims for these names only
+            }
+        }
+        let deadline = self.shutdown.handlers_deadline(self.shutdown_timeout);
+        while !tasks.is_empty() {
+            match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(_) => {
+                    tracing::warn!(
+                        running = tasks.len(),
+                        "pgbus shutdown timeout: aborting handlers still running"
+                    );
+                    tasks.shutdown().await;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// One handler run.
+struct Run {
+    handler: Arc<dyn DynHandler>,
+    timeout: Option<Duration>,
+    /// The bus's limit, then the subscription's, if any.
+    limits: [Option<Arc<Semaphore>>; 2],
+    shutdown: Arc<Shutdown>,
+}
+
+impl Run {
+    /// Waits for a place under the limits (a delivery never started is released when the
+    /// bus stops first), runs the handler, and hands the outcome to the acker.
+    async fn handle(self, mut delivery: Delivery) {
+        let mut permits: Vec<OwnedSemaphorePermit> = Vec::with_capacity(2);
+        for limit in self.limits.iter().flatten() {
+            tokio::select! {
+                p = limit.clone().acquire_owned() => permits.extend(p.ok()),
+                // Never started: dropping it releases it.
+                _ = self.shutdown.stopping() => return,
+            }
+        }
+        delivery.mark_started();
+        let action = self.invoke(&delivery).await;
+        delivery.settle_nowait(action);
+    }
+
+    /// Runs the handler in its span, with its timeout, catching a panic; says what to
+    /// write.
+    async fn invoke(&self, delivery: &Delivery) -> Action {
+        let event = delivery.event();
+        let span = tracing::info_span!(
+            "pgbus.deliver",
+            messaging.system = "postgresql",
+            messaging.operation = "process",
+            messaging.destination.name = %event.name,
+            messaging.destination.subscription.name = %delivery.subscription(),
+            messaging.message.id = %event.id,
+            messaging.message.conversation_id = event.correlation_id.as_deref(),
+            pgbus.attempt = delivery.attempt(),
+        );
+        // Called inside the future, so that a handler panicking before it returns its
+        // future (a closure's synchronous part) is caught too.
+        let run = AssertUnwindSafe(async { self.handler.call(event).await }).catch_unwind();
+        let outcome = match self.timeout {
+            Some(t) => tokio::time::timeout(t, run)
+                .instrument(span.clone())
+                .await
+                .ok(),
+            None => Some(run.instrument(span.clone()).await),
+        };
+        let error = match outcome {
+            Some(Ok(Ok(()))) => return Action::Ack,
+            Some(Ok(Err(e))) => {
+                span.in_scope(|| tracing::debug!(error = %e, "pgbus handler failed"));
+                e
+            }
+            Some(Err(panic)) => {
+                let msg = format!("handler panicked: {}", panic_message(&*panic));
+                span.in_scope(|| tracing::warn!(error = %msg, "pgbus handler panicked"));
+                HandlerError::new(msg)
+            }
+            None => HandlerError::new(format!(
+                "handler timed out after {:?}",
+                self.timeout.unwrap_or_default()
+            )),
+        };
+        delivery.fail_action(&error)
+    }
+}
+
 /// The text of a panic payload.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {

@@ -1,6 +1,7 @@
 //! The crate's error type and the error a handler returns.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::error::SqlState;
@@ -10,8 +11,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in pgbus.
 ///
-/// Match on the variant to react to a kind of failure; [`Error::code`] gives the SQLSTATE
-/// where PostgreSQL refused a statement.
+/// Match on the variant to react to a kind of failure (the enum is `#[non_exhaustive]`:
+/// keep a catch-all arm), or ask: [`Error::code`] gives the SQLSTATE where PostgreSQL
+/// refused a statement, [`Error::as_db_error`] its full report, [`Error::is_connection`]
+/// and [`Error::is_transient`] whether a retry may help. `source()` leads to the
+/// underlying error.
+///
+/// [`Error::Invalid`] is only ever bad input, refused before anything was done: a command
+/// line can exit with its own code for it ("nothing was done").
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -43,9 +50,10 @@ pub enum Error {
     /// PostgreSQL refused a statement, or the connection failed.
     #[error("database error: {}", describe(.0))]
     Database(#[source] tokio_postgres::Error),
-    /// No connection could be taken from the bus's pool.
+    /// No connection could be taken from the bus's pool (none could be opened in time,
+    /// or the pool is closed).
     #[error("connection pool error: {0}")]
-    Pool(#[source] deadpool_postgres::PoolError),
+    Pool(#[source] PoolError),
     /// A wait inside pgbus ran past its deadline.
     #[error("timed out while {0}")]
     Timeout(&'static str),
@@ -54,15 +62,18 @@ pub enum Error {
     #[error("the lease on this delivery was lost; the settlement changed nothing")]
     LeaseLost,
     /// A settlement (ack, failure, release) could not be written; the delivery's lease
-    /// will expire and it will be delivered again.
-    #[error("could not record the settlement: {reason}")]
-    Settle {
-        /// Why.
-        reason: String,
-    },
+    /// will expire and it will be delivered again. The error that stopped it is its
+    /// source (one error may answer every settlement of a batch, hence the `Arc`);
+    /// [`Error::code`] gives its SQLSTATE.
+    #[error("could not record the settlement: {0}")]
+    Settle(#[source] Arc<Error>),
     /// The bus has shut down.
     #[error("the bus has shut down")]
     Closed,
+    /// PostgreSQL answered in a way pgbus does not expect of its own statements (a
+    /// schema changed by hand, say); nothing this error names was done.
+    #[error("unexpected answer from PostgreSQL: {0}")]
+    Unexpected(&'static str),
     /// No subscription has this name.
     #[error("unknown subscription {name:?}")]
     UnknownSubscription {
@@ -85,7 +96,7 @@ impl Error {
     pub fn code(&self) -> Option<&SqlState> {
         match self {
             Error::Database(e) | Error::SchemaMissing(e) => e.code(),
-            Error::Pool(deadpool_postgres::PoolError::Backend(e)) => e.code(),
+            Error::Settle(e) => e.code(),
             _ => None,
         }
     }
@@ -94,7 +105,7 @@ impl Error {
     pub fn as_db_error(&self) -> Option<&tokio_postgres::error::DbError> {
         match self {
             Error::Database(e) | Error::SchemaMissing(e) => e.as_db_error(),
-            Error::Pool(deadpool_postgres::PoolError::Backend(e)) => e.as_db_error(),
+            Error::Settle(e) => e.as_db_error(),
             _ => None,
         }
     }
@@ -117,6 +128,7 @@ impl Error {
                     })
             }
             Error::Pool(_) => true,
+            Error::Settle(e) => e.is_connection(),
             _ => false,
         }
     }
@@ -141,6 +153,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Timeout(_) => true,
+            Error::Settle(e) => e.is_transient(),
             _ if self.is_connection() => true,
             _ => self.code().is_some_and(|c| transient_code(c.code())),
         }
@@ -243,8 +256,25 @@ impl From<deadpool_postgres::PoolError> for Error {
     fn from(e: deadpool_postgres::PoolError) -> Self {
         match e {
             deadpool_postgres::PoolError::Backend(e) => e.into(),
-            e => Error::Pool(e),
+            e => Error::Pool(PoolError(Box::new(e))),
         }
+    }
+}
+
+/// Why no connection could be taken from the bus's pool: its message, and the pool's
+/// own error as `source()`. Opaque, so that the pool behind it can change.
+#[derive(Debug)]
+pub struct PoolError(Box<dyn std::error::Error + Send + Sync>);
+
+impl fmt::Display for PoolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for PoolError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
     }
 }
 

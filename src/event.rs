@@ -48,7 +48,7 @@ pub const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
 /// assert_eq!(event.name, "order.placed");
 /// assert_eq!(event.aggregate_id.as_deref(), Some("42"));
 /// ```
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Event {
     /// The event's position in the log; `None` until it is read back from the log.
@@ -218,6 +218,41 @@ impl Event {
     /// Checks everything PostgreSQL would refuse, and the size limit, and returns the
     /// payload and headers as JSON text ready to send.
     pub(crate) fn encode(&self, max_payload_bytes: usize) -> Result<Encoded> {
+        self.check_identifiers()?;
+        self.check_json()?;
+        let payload = serde_json::to_string(&self.payload)
+            .map_err(|e| Error::invalid("payload", e.to_string()))?;
+        if payload.len() > max_payload_bytes {
+            return Err(Error::invalid(
+                "payload",
+                format!(
+                    "{} bytes of JSON exceeds the limit of {max_payload_bytes} bytes",
+                    payload.len()
+                ),
+            ));
+        }
+        let headers = serde_json::to_string(&self.headers)
+            .map_err(|e| Error::invalid("headers", e.to_string()))?;
+        let delay_ms = match self.delay {
+            Some(d) if d > MAX_DELAY => {
+                return Err(Error::invalid(
+                    "delay",
+                    format!("{d:?} is longer than the longest delay, {MAX_DELAY:?} (100 years)"),
+                ));
+            }
+            Some(d) => Some(d.as_millis() as i64),
+            None => None,
+        };
+        Ok(Encoded {
+            payload,
+            headers,
+            delay_ms,
+        })
+    }
+
+    /// The name, the id and the other identifiers: what PostgreSQL's text and the
+    /// schema's checks accept.
+    fn check_identifiers(&self) -> Result<()> {
         validate_name("event name", &self.name)?;
         if self.id.is_empty() || self.id.len() > MAX_NAME_BYTES {
             return Err(Error::invalid(
@@ -247,6 +282,12 @@ impl Event {
                 validate_visible(what, text)?;
             }
         }
+        Ok(())
+    }
+
+    /// The payload and headers: headers an object, no `\u0000`, no serde_json number
+    /// token, not nested too deep.
+    fn check_json(&self) -> Result<()> {
         if !self.headers.is_object() {
             return Err(Error::invalid(
                 "headers",
@@ -268,34 +309,7 @@ impl Event {
                 ));
             }
         }
-        let payload = serde_json::to_string(&self.payload)
-            .map_err(|e| Error::invalid("payload", e.to_string()))?;
-        if payload.len() > max_payload_bytes {
-            return Err(Error::invalid(
-                "payload",
-                format!(
-                    "{} bytes of JSON exceeds the limit of {max_payload_bytes} bytes",
-                    payload.len()
-                ),
-            ));
-        }
-        let headers = serde_json::to_string(&self.headers)
-            .map_err(|e| Error::invalid("headers", e.to_string()))?;
-        let delay_ms = match self.delay {
-            Some(d) if d > MAX_DELAY => {
-                return Err(Error::invalid(
-                    "delay",
-                    format!("{d:?} is longer than the longest delay, {MAX_DELAY:?} (100 years)"),
-                ));
-            }
-            Some(d) => Some(d.as_millis() as i64),
-            None => None,
-        };
-        Ok(Encoded {
-            payload,
-            headers,
-            delay_ms,
-        })
+        Ok(())
     }
 }
 

@@ -30,36 +30,48 @@
 //! # }
 //! ```
 
+// The delivery path, in the order an event takes it: publish (the trigger and the
+// notification are in sql/), listen, claim, dispatch, settle; beside it, maintain. The
+// bus starts and stops them; the others are shared leaves.
 pub mod admin;
-pub mod bench;
+mod backoff;
 mod bus;
 mod claim;
+mod conn;
 mod decode;
+mod delivery;
 mod dispatch;
-pub mod embedded;
 mod error;
 mod event;
+mod handler;
 mod listen;
+mod maintain;
 pub mod ordering;
 mod publish;
 mod retry;
 pub mod schema;
+mod settle;
+mod shutdown;
+mod slot;
 pub mod sql;
-mod subscribe;
+mod stats;
+
+pub mod bench;
+pub mod embedded;
 
 pub use bus::{
     Bus, BusBuilder, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_BYTES, DEFAULT_CONCURRENCY,
     DEFAULT_HANDLER_TIMEOUT, DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, DEFAULT_POOL_SIZE,
     DEFAULT_RETENTION, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT,
-    DEFAULT_SYNCHRONOUS_COMMIT, RunningBus, Stats,
+    DEFAULT_SYNCHRONOUS_COMMIT, RunningBus,
 };
-pub use claim::ClaimStream;
-pub use dispatch::{Handler, SubscriptionOptions};
-pub use error::{Error, HandlerError, MAX_ERROR_TEXT, Result};
+pub use delivery::{Delivery, Subscription};
+pub use error::{Error, HandlerError, MAX_ERROR_TEXT, PoolError, Result};
 pub use event::{
     DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_DELAY, MAX_EVENT_BYTES, MAX_JSON_DEPTH, MAX_NAME_BYTES,
     is_invisible, pattern_matches,
 };
+pub use handler::{Handler, SubscriptionOptions};
 pub use ordering::DeadHeadPolicy;
 pub use publish::{Executor, Published, Publisher, publish, publish_batch};
 pub use retry::{
@@ -67,7 +79,7 @@ pub use retry::{
     MAX_RETRY_DELAY, RetryPolicy,
 };
 pub use schema::migrate;
-pub use subscribe::{Delivery, Subscription};
+pub use stats::Stats;
 
 /// The README's examples, compiled as doc tests.
 #[doc = include_str!("../README.md")]

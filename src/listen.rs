@@ -1,5 +1,5 @@
 //! The listener: one dedicated connection that LISTENs and turns notifications into a
-//! coalescing wake signal.
+//! coalescing wake signal for the claimer.
 //!
 //! The connection is driven by `Connection::poll_message` and read continuously; it never
 //! runs a transaction. A notification is only a hint: after every wake-up the claimer
@@ -7,87 +7,143 @@
 //! every (re)connect it wakes the claimer once to catch up on whatever committed in
 //! between, and the claimer's fallback poll timer bounds the wait if even that fails.
 
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use futures::StreamExt;
-use tokio_postgres::AsyncMessage;
+use futures::{Stream, StreamExt};
+use tokio::sync::Notify;
+use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 
-use crate::bus::Shared;
+use crate::backoff::{self, WarnGate};
+use crate::stats::{self, Counters};
 
 /// The channel pgbus notifies on.
 pub(crate) const CHANNEL: &str = "pgbus";
 
-/// First reconnect delay; doubles up to [`RECONNECT_MAX`], with full jitter.
-const RECONNECT_MIN: Duration = Duration::from_millis(50);
-const RECONNECT_MAX: Duration = Duration::from_secs(10);
 /// How often the listener pings its connection, and how long a ping may take.
 const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Runs until `stop` is cancelled.
-pub(crate) async fn run(
-    shared: Arc<Shared>,
-    config: tokio_postgres::Config,
-    stop: CancellationToken,
-) {
-    let mut failures: u32 = 0;
-    let mut connected_before = false;
-    let gate = WarnGate::default();
-    loop {
-        let attempt = tokio::select! {
-            _ = stop.cancelled() => return,
-            r = tokio::time::timeout(CONNECT_TIMEOUT, config.connect(tokio_postgres::NoTls)) => r,
-        };
-        let (client, mut connection) = match attempt {
-            Ok(Ok(pair)) => pair,
-            Ok(Err(e)) => {
-                log_failure(&gate, failures, &e.to_string());
-                failures += 1;
-                if !backoff(failures, &stop).await {
-                    return;
-                }
-                continue;
-            }
-            Err(_) => {
-                log_failure(&gate, failures, "connect timed out");
-                failures += 1;
-                if !backoff(failures, &stop).await {
-                    return;
-                }
-                continue;
-            }
-        };
-        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx)).boxed();
+/// The claimer's wake signal: coalescing (many wake-ups while it claims make one more
+/// claim), and it remembers whether the pending wake-up came from a notification.
+#[derive(Debug, Default)]
+pub(crate) struct Wake {
+    notify: Notify,
+    notified: AtomicBool,
+}
 
-        // LISTEN, while reading the connection (the query only completes if it is polled).
-        let listen = client.batch_execute("LISTEN pgbus");
-        tokio::pin!(listen);
-        let listened = loop {
+impl Wake {
+    /// A notification arrived.
+    pub(crate) fn by_notification(&self) {
+        self.notified.store(true, Ordering::Release);
+        self.notify.notify_one();
+    }
+
+    /// Something else may have made work (a catch-up, a retry scheduled, a lease reaped).
+    pub(crate) fn now(&self) {
+        self.notify.notify_one();
+    }
+
+    /// Waits for a wake-up; true when it came from a notification.
+    pub(crate) async fn woken(&self) -> bool {
+        self.notify.notified().await;
+        self.notified.swap(false, Ordering::AcqRel)
+    }
+}
+
+/// What the listener needs: where to wake, what to count, and a flag for
+/// [`RunningBus::is_listening`](crate::RunningBus::is_listening).
+#[derive(Debug)]
+pub(crate) struct Listener {
+    pub(crate) config: tokio_postgres::Config,
+    pub(crate) wake: Arc<Wake>,
+    pub(crate) listening: Arc<AtomicBool>,
+    pub(crate) stats: Arc<Counters>,
+}
+
+type Messages = Pin<Box<dyn Stream<Item = Result<AsyncMessage, tokio_postgres::Error>> + Send>>;
+
+impl Listener {
+    /// Runs until `stop` is cancelled: connects, LISTENs, wakes the claimer once to catch
+    /// up, relays notifications until the connection fails, and starts over after a
+    /// backoff.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let gate = WarnGate::default();
+        let mut failures: u32 = 0;
+        let mut connected_before = false;
+        loop {
+            let connected = tokio::select! {
+                _ = stop.cancelled() => return,
+                c = self.connect() => c,
+            };
+            let reason = match connected {
+                Ok((client, messages)) => {
+                    self.caught_up(connected_before, failures);
+                    connected_before = true;
+                    failures = 0;
+                    let reason = tokio::select! {
+                        _ = stop.cancelled() => None,
+                        r = self.relay(&client, messages) => Some(r),
+                    };
+                    self.listening.store(false, Ordering::Release);
+                    let Some(reason) = reason else { return };
+                    lost(&gate, &reason);
+                    reason
+                }
+                Err(e) => {
+                    connect_failed(&gate, failures, &e);
+                    e
+                }
+            };
+            failures += 1;
+            tracing::trace!(error = %reason, failures, "pgbus listener backing off");
             tokio::select! {
                 _ = stop.cancelled() => return,
-                r = &mut listen => break r.map_err(|e| e.to_string()),
-                m = messages.next() => match m {
-                    Some(Ok(AsyncMessage::Notification(_))) => shared.wake_by_notification(),
-                    Some(Ok(_)) => {}
-                    Some(Err(e)) => break Err(e.to_string()),
-                    None => break Err("connection closed".to_string()),
-                },
+                _ = tokio::time::sleep(backoff::delay(failures, Duration::MAX)) => {}
             }
-        };
-        if let Err(e) = listened {
-            log_failure(&gate, failures, &e);
-            failures += 1;
-            if !backoff(failures, &stop).await {
-                return;
-            }
-            continue;
         }
+    }
+
+    /// Connects and LISTENs, reading the connection meanwhile (the query completes only
+    /// while it is polled; a notification that arrives first wakes the claimer).
+    async fn connect(&self) -> Result<(Client, Messages), String> {
+        let (client, mut connection) =
+            tokio::time::timeout(CONNECT_TIMEOUT, self.config.connect(tokio_postgres::NoTls))
+                .await
+                .map_err(|_| "connect timed out".to_string())?
+                .map_err(|e| e.to_string())?;
+        let mut messages: Messages =
+            futures::stream::poll_fn(move |cx| connection.poll_message(cx)).boxed();
+        {
+            let listen = client.batch_execute("LISTEN pgbus");
+            tokio::pin!(listen);
+            loop {
+                tokio::select! {
+                    r = &mut listen => {
+                        r.map_err(|e| e.to_string())?;
+                        break;
+                    }
+                    m = messages.next() => match m {
+                        Some(Ok(AsyncMessage::Notification(_))) => self.wake.by_notification(),
+                        Some(Ok(_)) => {}
+                        Some(Err(e)) => return Err(e.to_string()),
+                        None => return Err("connection closed".to_string()),
+                    },
+                }
+            }
+        }
+        Ok((client, messages))
+    }
+
+    /// Says the listener is connected, and wakes the claimer to catch up on whatever
+    /// committed while no one was listening.
+    fn caught_up(&self, connected_before: bool, failures: u32) {
         if connected_before {
-            shared.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+            stats::add(&self.stats.reconnects, 1);
             tracing::info!(
                 after_failures = failures,
                 "pgbus listener reconnected; catching up"
@@ -95,60 +151,50 @@ pub(crate) async fn run(
         } else {
             tracing::debug!("pgbus listener connected");
         }
-        connected_before = true;
-        shared.listening.store(true, Ordering::Release);
-        // Catch up on whatever committed while no one was listening.
-        shared.wake_for_catch_up();
+        self.listening.store(true, Ordering::Release);
+        self.wake.now();
+    }
 
-        // Detects a half-open connection: a ping that fails or does not return in time.
-        let pinger = async {
-            let mut health = tokio::time::interval(HEALTH_INTERVAL);
-            health.tick().await;
-            loop {
-                health.tick().await;
-                match tokio::time::timeout(HEALTH_TIMEOUT, client.simple_query("")).await {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => return e.to_string(),
-                    Err(_) => return "health check timed out".to_string(),
-                }
-            }
-        };
+    /// Relays notifications until the connection fails or a ping does not come back (a
+    /// half-open connection); returns why it ended.
+    async fn relay(&self, client: &Client, mut messages: Messages) -> String {
+        let pinger = ping(client);
         tokio::pin!(pinger);
-        let reason = loop {
+        loop {
             tokio::select! {
-                _ = stop.cancelled() => {
-                    shared.listening.store(false, Ordering::Release);
-                    return;
-                }
                 m = messages.next() => match m {
                     Some(Ok(AsyncMessage::Notification(n))) => {
                         if n.channel() == CHANNEL {
-                            shared.wake_by_notification();
+                            self.wake.by_notification();
                         }
                     }
                     Some(Ok(_)) => {}
-                    Some(Err(e)) => break e.to_string(),
-                    None => break "connection closed".to_string(),
+                    Some(Err(e)) => return e.to_string(),
+                    None => return "connection closed".to_string(),
                 },
-                e = &mut pinger => break e,
+                e = &mut pinger => return e,
             }
-        };
-        shared.listening.store(false, Ordering::Release);
-        if gate.allow() {
-            tracing::warn!(error = %reason, "pgbus listener lost its connection; reconnecting");
-        } else {
-            tracing::debug!(error = %reason, "pgbus listener lost its connection again");
         }
-        failures = 1;
-        if !backoff(failures, &stop).await {
-            return;
+    }
+}
+
+/// Pings every [`HEALTH_INTERVAL`]; returns when a ping fails or times out.
+async fn ping(client: &Client) -> String {
+    let mut health = tokio::time::interval(HEALTH_INTERVAL);
+    health.tick().await;
+    loop {
+        health.tick().await;
+        match tokio::time::timeout(HEALTH_TIMEOUT, client.simple_query("")).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return e.to_string(),
+            Err(_) => return "health check timed out".to_string(),
         }
     }
 }
 
 /// Logs the first failure of a series as a warning, the rest at debug level, so a long
 /// outage does not flood the log.
-fn log_failure(gate: &WarnGate, failures: u32, error: &str) {
+fn connect_failed(gate: &WarnGate, failures: u32, error: &str) {
     if failures == 0 && gate.allow() {
         tracing::warn!(
             error,
@@ -159,41 +205,10 @@ fn log_failure(gate: &WarnGate, failures: u32, error: &str) {
     }
 }
 
-/// Sleeps a jittered exponential backoff; false when stopped meanwhile.
-async fn backoff(failures: u32, stop: &CancellationToken) -> bool {
-    let delay = backoff_delay(failures);
-    tokio::select! {
-        _ = stop.cancelled() => false,
-        _ = tokio::time::sleep(delay) => true,
+fn lost(gate: &WarnGate, reason: &str) {
+    if gate.allow() {
+        tracing::warn!(error = %reason, "pgbus listener lost its connection; reconnecting");
+    } else {
+        tracing::debug!(error = %reason, "pgbus listener lost its connection again");
     }
-}
-
-/// How often a task may log the start of an outage as a warning.
-pub(crate) const WARN_EVERY: Duration = Duration::from_secs(60);
-
-/// Lets a task log the start of an outage as a warning at most once per [`WARN_EVERY`]:
-/// a connection that flaps (a connection limit reached and freed many times a second)
-/// would otherwise log a warning per flap. What it holds back goes to debug level.
-#[derive(Debug, Default)]
-pub(crate) struct WarnGate(std::sync::Mutex<Option<tokio::time::Instant>>);
-
-impl WarnGate {
-    /// Whether to warn now (and, if so, not again for a while).
-    pub(crate) fn allow(&self) -> bool {
-        let mut last = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let now = tokio::time::Instant::now();
-        if last.is_some_and(|l| now.duration_since(l) < WARN_EVERY) {
-            return false;
-        }
-        *last = Some(now);
-        true
-    }
-}
-
-pub(crate) fn backoff_delay(failures: u32) -> Duration {
-    let exp = failures.saturating_sub(1).min(16);
-    let ceiling =
-        (RECONNECT_MIN.as_secs_f64() * 2f64.powi(exp as i32)).min(RECONNECT_MAX.as_secs_f64());
-    // Full jitter, but never less than half the first delay.
-    Duration::from_secs_f64((ceiling * fastrand::f64()).max(RECONNECT_MIN.as_secs_f64() / 2.0))
 }

@@ -21,7 +21,8 @@ use crate::publish::Executor;
 use crate::sql;
 
 /// What an ordered subscription does when the head of a key becomes a dead letter.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum DeadHeadPolicy {
     /// The key stops until an operator redrives or skips its dead head; every other key
@@ -72,7 +73,7 @@ pub async fn set_ordering<C: Executor + ?Sized>(
 }
 
 /// A key of an ordered subscription whose head is a dead letter.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct BlockedKey {
     /// The subscription.

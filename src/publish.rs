@@ -10,9 +10,10 @@
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::{ToSql, Type};
+use tracing::Instrument;
 
 use crate::error::{Error, Result};
-use crate::event::{DEFAULT_MAX_PAYLOAD_BYTES, Event};
+use crate::event::{DEFAULT_MAX_PAYLOAD_BYTES, Encoded, Event};
 
 /// A connection or transaction that pgbus can publish through.
 ///
@@ -72,7 +73,8 @@ impl<'a> Executor for deadpool_postgres::Transaction<'a> {
 }
 
 /// What [`publish`] did with an event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Published {
     /// The event was written to the log, and its deliveries created.
@@ -132,8 +134,9 @@ written AS (
          EXCLUDED.aggregate_id, EXCLUDED.payload, EXCLUDED.headers)
   RETURNING e.id, xmax = 0 AS inserted
 )
-SELECT (SELECT count(*) FROM written WHERE inserted),
-       coalesce((SELECT id FROM conflict), (SELECT id FROM written WHERE NOT inserted LIMIT 1))";
+SELECT (SELECT count(*) FROM written WHERE inserted) AS inserted,
+       coalesce((SELECT id FROM conflict), (SELECT id FROM written WHERE NOT inserted LIMIT 1))
+         AS conflict";
 
 pub(crate) const COLUMNS: &str = "t(id, event_name, event_version, source, aggregate_type, aggregate_id, \
      correlation_id, causation_id, occurred_at, payload, headers, deliver_at, delay_ms, \
@@ -226,7 +229,6 @@ impl Publisher {
             messaging.message.id = %event.id,
             messaging.batch.message_count = 1_i64,
         );
-        let _enter = span.enter();
         let params: [(&(dyn ToSql + Sync), Type); 14] = [
             (&event.id, ONE_TYPES[0].clone()),
             (&event.name, ONE_TYPES[1].clone()),
@@ -243,8 +245,11 @@ impl Publisher {
             (&enc.delay_ms, ONE_TYPES[12].clone()),
             (&event.ordering_key, ONE_TYPES[13].clone()),
         ];
-        drop(_enter);
-        let rows = client.client().query_typed(one_sql(), &params).await?;
+        let rows = client
+            .client()
+            .query_typed(one_sql(), &params)
+            .instrument(span)
+            .await?;
         match outcome(&rows)? {
             (1, None) => Ok(Published::Inserted),
             (_, Some(id)) => Err(Error::Conflict { id }),
@@ -266,29 +271,14 @@ impl Publisher {
         if events.is_empty() {
             return Ok(0);
         }
-        let n = events.len();
-        let mut ids = Vec::with_capacity(n);
-        let mut names = Vec::with_capacity(n);
-        let mut versions = Vec::with_capacity(n);
-        let mut sources = Vec::with_capacity(n);
-        let mut agg_types = Vec::with_capacity(n);
-        let mut agg_ids = Vec::with_capacity(n);
-        let mut correlations = Vec::with_capacity(n);
-        let mut causations = Vec::with_capacity(n);
-        let mut occurred: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
-        let mut payloads = Vec::with_capacity(n);
-        let mut headers = Vec::with_capacity(n);
-        let mut deliver_at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
-        let mut delays = Vec::with_capacity(n);
-        let mut keys = Vec::with_capacity(n);
-        let mut seen = std::collections::HashMap::with_capacity(n);
+        let mut columns = Columns::with_capacity(events.len());
+        let mut seen = std::collections::HashMap::with_capacity(events.len());
         for (i, event) in events.iter().enumerate() {
             let enc = event.encode(self.max_payload_bytes)?;
             // One statement cannot insert the same id twice: identical repeats are
             // dropped, different content under one id is a conflict.
             if let Some(&first) = seen.get(event.id.as_str()) {
-                let first: &Event = &events[first];
-                if same_content(first, event) {
+                if same_content(&events[first], event) {
                     continue;
                 }
                 return Err(Error::Conflict {
@@ -296,45 +286,18 @@ impl Publisher {
                 });
             }
             seen.insert(event.id.as_str(), i);
-            ids.push(event.id.as_str());
-            names.push(event.name.as_str());
-            versions.push(event.version);
-            sources.push(event.source.as_deref());
-            agg_types.push(event.aggregate_type.as_deref());
-            agg_ids.push(event.aggregate_id.as_deref());
-            correlations.push(event.correlation_id.as_deref());
-            causations.push(event.causation_id.as_deref());
-            occurred.push(event.occurred_at);
-            payloads.push(enc.payload);
-            headers.push(enc.headers);
-            deliver_at.push(event.deliver_at);
-            delays.push(enc.delay_ms);
-            keys.push(event.ordering_key.as_deref());
+            columns.push(event, enc);
         }
         let span = tracing::debug_span!(
             "pgbus.publish",
             messaging.system = "postgresql",
-            messaging.batch.message_count = n as i64,
+            messaging.batch.message_count = events.len() as i64,
         );
-        let _enter = span.enter();
-        let params: [(&(dyn ToSql + Sync), Type); 14] = [
-            (&ids, BATCH_TYPES[0].clone()),
-            (&names, BATCH_TYPES[1].clone()),
-            (&versions, BATCH_TYPES[2].clone()),
-            (&sources, BATCH_TYPES[3].clone()),
-            (&agg_types, BATCH_TYPES[4].clone()),
-            (&agg_ids, BATCH_TYPES[5].clone()),
-            (&correlations, BATCH_TYPES[6].clone()),
-            (&causations, BATCH_TYPES[7].clone()),
-            (&occurred, BATCH_TYPES[8].clone()),
-            (&payloads, BATCH_TYPES[9].clone()),
-            (&headers, BATCH_TYPES[10].clone()),
-            (&deliver_at, BATCH_TYPES[11].clone()),
-            (&delays, BATCH_TYPES[12].clone()),
-            (&keys, BATCH_TYPES[13].clone()),
-        ];
-        drop(_enter);
-        let rows = client.client().query_typed(batch_sql(), &params).await?;
+        let rows = client
+            .client()
+            .query_typed(batch_sql(), &columns.params())
+            .instrument(span)
+            .await?;
         match outcome(&rows)? {
             (_, Some(id)) => Err(Error::Conflict { id }),
             (inserted, None) => Ok(inserted as u64),
@@ -347,8 +310,83 @@ impl Publisher {
 fn outcome(rows: &[tokio_postgres::Row]) -> Result<(i64, Option<String>)> {
     let row = rows
         .first()
-        .ok_or_else(|| Error::invalid("publish", "the statement returned no row"))?;
-    Ok((row.try_get(0)?, row.try_get(1)?))
+        .ok_or(Error::Unexpected("the publish statement returned no row"))?;
+    Ok((row.try_get("inserted")?, row.try_get("conflict")?))
+}
+
+/// A batch as the publish statement's arrays, one per column.
+struct Columns<'a> {
+    ids: Vec<&'a str>,
+    names: Vec<&'a str>,
+    versions: Vec<i32>,
+    sources: Vec<Option<&'a str>>,
+    agg_types: Vec<Option<&'a str>>,
+    agg_ids: Vec<Option<&'a str>>,
+    correlations: Vec<Option<&'a str>>,
+    causations: Vec<Option<&'a str>>,
+    occurred: Vec<Option<DateTime<Utc>>>,
+    payloads: Vec<String>,
+    headers: Vec<String>,
+    deliver_at: Vec<Option<DateTime<Utc>>>,
+    delays: Vec<Option<i64>>,
+    keys: Vec<Option<&'a str>>,
+}
+
+impl<'a> Columns<'a> {
+    fn with_capacity(n: usize) -> Self {
+        Columns {
+            ids: Vec::with_capacity(n),
+            names: Vec::with_capacity(n),
+            versions: Vec::with_capacity(n),
+            sources: Vec::with_capacity(n),
+            agg_types: Vec::with_capacity(n),
+            agg_ids: Vec::with_capacity(n),
+            correlations: Vec::with_capacity(n),
+            causations: Vec::with_capacity(n),
+            occurred: Vec::with_capacity(n),
+            payloads: Vec::with_capacity(n),
+            headers: Vec::with_capacity(n),
+            deliver_at: Vec::with_capacity(n),
+            delays: Vec::with_capacity(n),
+            keys: Vec::with_capacity(n),
+        }
+    }
+
+    fn push(&mut self, event: &'a Event, enc: Encoded) {
+        self.ids.push(&event.id);
+        self.names.push(&event.name);
+        self.versions.push(event.version);
+        self.sources.push(event.source.as_deref());
+        self.agg_types.push(event.aggregate_type.as_deref());
+        self.agg_ids.push(event.aggregate_id.as_deref());
+        self.correlations.push(event.correlation_id.as_deref());
+        self.causations.push(event.causation_id.as_deref());
+        self.occurred.push(event.occurred_at);
+        self.payloads.push(enc.payload);
+        self.headers.push(enc.headers);
+        self.deliver_at.push(event.deliver_at);
+        self.delays.push(enc.delay_ms);
+        self.keys.push(event.ordering_key.as_deref());
+    }
+
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 14] {
+        [
+            (&self.ids, BATCH_TYPES[0].clone()),
+            (&self.names, BATCH_TYPES[1].clone()),
+            (&self.versions, BATCH_TYPES[2].clone()),
+            (&self.sources, BATCH_TYPES[3].clone()),
+            (&self.agg_types, BATCH_TYPES[4].clone()),
+            (&self.agg_ids, BATCH_TYPES[5].clone()),
+            (&self.correlations, BATCH_TYPES[6].clone()),
+            (&self.causations, BATCH_TYPES[7].clone()),
+            (&self.occurred, BATCH_TYPES[8].clone()),
+            (&self.payloads, BATCH_TYPES[9].clone()),
+            (&self.headers, BATCH_TYPES[10].clone()),
+            (&self.deliver_at, BATCH_TYPES[11].clone()),
+            (&self.delays, BATCH_TYPES[12].clone()),
+            (&self.keys, BATCH_TYPES[13].clone()),
+        ]
+    }
 }
 
 /// The content that idempotency compares (the same columns as the statement).

@@ -40,7 +40,7 @@ pub(crate) fn clamp_delay(delay: Duration) -> Duration {
 /// let policy = RetryPolicy::exponential(Duration::from_millis(500)).max_attempts(10);
 /// assert!(policy.delay(3) <= Duration::from_secs(2));
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct RetryPolicy {
     base: Duration,
     factor: f64,

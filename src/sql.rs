@@ -179,7 +179,7 @@ WITH beat AS (
 )
 SELECT ARRAY(SELECT n FROM unnest($3::text[]) AS n
              WHERE NOT EXISTS (SELECT 1 FROM pgbus.subscriptions AS s WHERE s.name = n)
-             ORDER BY n)
+             ORDER BY n) AS missing
 FROM (SELECT count(*) FROM beat) AS b";
 
 /// Marks this bus asleep: from now on publishers notify it. Parameter: `$1 text` worker id.

@@ -10,6 +10,7 @@ fn public_types_are_send_sync_and_static() {
     send_sync_static::<pgbus::RunningBus>();
     send_sync_static::<pgbus::Event>();
     send_sync_static::<pgbus::Error>();
+    send_sync_static::<pgbus::PoolError>();
     send_sync_static::<pgbus::HandlerError>();
     send_sync_static::<pgbus::Delivery>();
     send_sync_static::<pgbus::Stats>();
@@ -24,5 +25,4 @@ fn public_types_are_send_sync_and_static() {
 fn streams_are_send_and_static() {
     // Streams are polled by one task at a time; Send is what spawning them needs.
     send_static::<pgbus::Subscription>();
-    send_static::<pgbus::ClaimStream>();
 }

@@ -217,7 +217,9 @@ async fn a_poison_settlement_in_a_batch_loses_none_of_the_others() {
     for (id, result) in &results {
         if id == "refused" {
             assert!(
-                matches!(result, Err(Error::Settle { reason }) if reason.contains("23514")),
+                matches!(result, Err(e @ Error::Settle(_))
+                    if e.code() == Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION)
+                        && e.to_string().contains("23514")),
                 "{result:?}"
             );
         } else {

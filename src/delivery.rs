@@ -3,86 +3,17 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
-use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
-use crate::bus::Shared;
-use crate::dispatch::SubRuntime;
 use crate::error::{Error, HandlerError, Result};
 use crate::event::Event;
-
-/// What the acker is asked to write for one delivery.
-#[derive(Debug)]
-pub(crate) enum Action {
-    Ack,
-    Fail {
-        error: String,
-        delay: Duration,
-        permanent: bool,
-    },
-    /// Back to pending without consuming the attempt (claimed, never started).
-    Release,
-}
-
-impl Action {
-    /// The action as it can be written: a failure's text made storable (NUL replaced,
-    /// bounded length: [`crate::error::storable_text`]) and its delay clamped to
-    /// [`crate::MAX_RETRY_DELAY`]. Every settlement passes through here on its way to the
-    /// acker, so no text or delay the application (or a panic, or a command) produced can
-    /// fail the batch it is written with.
-    pub(crate) fn storable(self) -> Action {
-        match self {
-            Action::Fail {
-                error,
-                delay,
-                permanent,
-            } => Action::Fail {
-                error: crate::error::storable_text(error),
-                delay: crate::retry::clamp_delay(delay),
-                permanent,
-            },
-            other => other,
-        }
-    }
-}
-
-/// How the acker answers.
-#[derive(Debug)]
-pub(crate) enum Outcome {
-    Applied,
-    /// The lease was no longer this worker's: nothing changed.
-    Rejected,
-    /// The settlement could not be written.
-    Failed(String),
-}
-
-/// One settlement on its way to the acker.
-#[derive(Debug)]
-pub(crate) struct SettleMsg {
-    pub(crate) sub: Arc<SubRuntime>,
-    pub(crate) subscription: Arc<str>,
-    pub(crate) seq: i64,
-    pub(crate) attempt: i32,
-    pub(crate) action: Action,
-    pub(crate) reply: Option<oneshot::Sender<Outcome>>,
-    /// The delivery's slot, freed once the settlement is written: until then the
-    /// delivery still counts as claimed.
-    pub(crate) permit: Option<OwnedSemaphorePermit>,
-}
-
-impl SettleMsg {
-    /// Frees the delivery's slot (after its settlement was written, or given up on).
-    pub(crate) fn release_slot(self, shared: &Shared) {
-        self.sub.held.fetch_sub(1, Ordering::AcqRel);
-        drop(self.permit);
-        shared.capacity_changed.notify_one();
-    }
-}
+use crate::settle::{Action, Outcome, Settler};
+use crate::slot::{Slot, Sub};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -103,11 +34,12 @@ enum State {
 /// the subscription's maximum attempts); if it was still buffered, it is released without
 /// consuming an attempt.
 pub struct Delivery {
-    pub(crate) event: Event,
-    pub(crate) attempt: i32,
-    pub(crate) sub: Arc<SubRuntime>,
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) permit: Option<OwnedSemaphorePermit>,
+    event: Event,
+    attempt: i32,
+    sub: Arc<Sub>,
+    /// Until the settlement is sent: then the acker holds it until it is written.
+    slot: Option<Slot>,
+    settler: Settler,
     state: State,
 }
 
@@ -123,19 +55,13 @@ impl std::fmt::Debug for Delivery {
 }
 
 impl Delivery {
-    pub(crate) fn new(
-        event: Event,
-        attempt: i32,
-        sub: Arc<SubRuntime>,
-        shared: Arc<Shared>,
-        permit: Option<OwnedSemaphorePermit>,
-    ) -> Self {
+    pub(crate) fn new(event: Event, slot: Slot, settler: Settler) -> Self {
         Delivery {
             event,
-            attempt,
-            sub,
-            shared,
-            permit,
+            attempt: slot.attempt(),
+            sub: slot.sub().clone(),
+            slot: Some(slot),
+            settler,
             state: State::Claimed,
         }
     }
@@ -252,7 +178,7 @@ impl Delivery {
         match rx.await {
             Ok(Outcome::Applied) => Ok(()),
             Ok(Outcome::Rejected) => Err(Error::LeaseLost),
-            Ok(Outcome::Failed(reason)) => Err(Error::Settle { reason }),
+            Ok(Outcome::Failed(error)) => Err(Error::Settle(error)),
             Err(_) => Err(Error::Closed),
         }
     }
@@ -263,22 +189,9 @@ impl Delivery {
     }
 
     fn send(&mut self, action: Action, reply: Option<oneshot::Sender<Outcome>>) {
-        if self.state == State::Settled {
-            return;
-        }
         self.state = State::Settled;
-        let msg = SettleMsg {
-            sub: self.sub.clone(),
-            subscription: self.sub.name.clone(),
-            seq: self.event.seq.unwrap_or_default(),
-            attempt: self.attempt,
-            action: action.storable(),
-            reply,
-            permit: self.permit.take(),
-        };
-        if let Err(mpsc::error::SendError(msg)) = self.shared.settle_tx.send(msg) {
-            // The acker is gone: the caller sees Error::Closed, the lease will expire.
-            msg.release_slot(&self.shared);
+        if let Some(slot) = self.slot.take() {
+            self.settler.send(slot, action, reply);
         }
     }
 }

@@ -1,0 +1,59 @@
+//! The bus's stop signal and the one deadline that bounds a graceful stop.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+
+/// How much of the shutdown timeout is kept for writing the last settlements once the
+/// handlers' time is up: a quarter, at most one second.
+const SETTLE_RESERVE: Duration = Duration::from_secs(1);
+
+/// Stopping: a token every task watches, the deadline of the stop once it began, and a
+/// second token for when the handlers' time is up.
+#[derive(Debug, Default)]
+pub(crate) struct Shutdown {
+    token: CancellationToken,
+    overdue: CancellationToken,
+    deadline: OnceLock<Instant>,
+}
+
+impl Shutdown {
+    /// Begins the stop, to end by `timeout` from now (the first call sets the deadline).
+    pub(crate) fn begin(&self, timeout: Duration) -> Instant {
+        let deadline = *self.deadline.get_or_init(|| Instant::now() + timeout);
+        self.token.cancel();
+        deadline
+    }
+
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.token.is_cancelled()
+    }
+
+    pub(crate) fn stopping(&self) -> WaitForCancellationFuture<'_> {
+        self.token.cancelled()
+    }
+
+    pub(crate) fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+
+    /// Cancelled when the handlers' time is up: a claim still in flight then (blocked on
+    /// a lock, say) is cancelled rather than waited for. Earlier, a claim that completes
+    /// during the stop hands its deliveries over to be released.
+    pub(crate) fn overdue(&self) -> &CancellationToken {
+        &self.overdue
+    }
+
+    /// When running handlers must be done: the deadline less the reserve for the last
+    /// settlements. Before the stop began, `timeout` from now.
+    pub(crate) fn handlers_deadline(&self, timeout: Duration) -> Instant {
+        let deadline = self
+            .deadline
+            .get()
+            .copied()
+            .unwrap_or_else(|| Instant::now() + timeout);
+        deadline - (timeout / 4).min(SETTLE_RESERVE)
+    }
+}

@@ -1,0 +1,84 @@
+//! The counters a running bus keeps, and the snapshot of them it reports.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Counters of a running bus, read with [`RunningBus::stats`](crate::RunningBus::stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Deliveries completed (acknowledged and written).
+    pub delivered: u64,
+    /// Failed attempts written (each retried or dead-lettered).
+    pub failed: u64,
+    /// Deliveries that became dead letters here.
+    pub dead_lettered: u64,
+    /// Claimed deliveries released unstarted (at shutdown, or dropped while buffered).
+    pub released: u64,
+    /// Settlements rejected because the lease had been taken over (stale worker).
+    pub stale_rejected: u64,
+    /// Claim statements run.
+    pub claims: u64,
+    /// Wake-ups caused by a notification.
+    pub wakeups_by_notification: u64,
+    /// Wake-ups by the fallback poll timer.
+    pub wakeups_by_poll: u64,
+    /// Poll wake-ups whose claim found work that no notification had announced.
+    pub polls_found_work: u64,
+    /// Times the listener reconnected.
+    pub reconnects: u64,
+    /// Expired leases this bus returned to pending or dead-lettered.
+    pub reaped: u64,
+    /// Claim statements that failed.
+    pub claim_errors: u64,
+    /// Settlements given up: a batch that could not be written, or, once a refused batch
+    /// is split, each single settlement PostgreSQL still refuses.
+    pub settle_errors: u64,
+    /// Ordering keys found without a head and repaired (should stay 0).
+    pub repaired: u64,
+}
+
+/// The live counters, shared by the bus's tasks.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) delivered: AtomicU64,
+    pub(crate) failed: AtomicU64,
+    pub(crate) dead_lettered: AtomicU64,
+    pub(crate) released: AtomicU64,
+    pub(crate) stale_rejected: AtomicU64,
+    pub(crate) claims: AtomicU64,
+    pub(crate) wakeups_by_notification: AtomicU64,
+    pub(crate) wakeups_by_poll: AtomicU64,
+    pub(crate) polls_found_work: AtomicU64,
+    pub(crate) reconnects: AtomicU64,
+    pub(crate) reaped: AtomicU64,
+    pub(crate) claim_errors: AtomicU64,
+    pub(crate) settle_errors: AtomicU64,
+    pub(crate) repaired: AtomicU64,
+}
+
+/// Adds `n` to a counter.
+pub(crate) fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+impl Counters {
+    pub(crate) fn snapshot(&self) -> Stats {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Stats {
+            delivered: r(&self.delivered),
+            failed: r(&self.failed),
+            dead_lettered: r(&self.dead_lettered),
+            released: r(&self.released),
+            stale_rejected: r(&self.stale_rejected),
+            claims: r(&self.claims),
+            wakeups_by_notification: r(&self.wakeups_by_notification),
+            wakeups_by_poll: r(&self.wakeups_by_poll),
+            polls_found_work: r(&self.polls_found_work),
+            reconnects: r(&self.reconnects),
+            reaped: r(&self.reaped),
+            claim_errors: r(&self.claim_errors),
+            settle_errors: r(&self.settle_errors),
+            repaired: r(&self.repaired),
+        }
+    }
+}
