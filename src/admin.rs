@@ -26,7 +26,6 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
 use crate::event::{validate_name, validate_pattern};
-use crate::ordering::DeadHeadPolicy;
 use crate::publish::Executor;
 use crate::sql;
 use tokio_postgres::GenericClient;
@@ -100,6 +99,37 @@ pub async fn register_subscription<C: Executor + ?Sized, S: AsRef<str>>(
         )
         .await?;
     Ok(())
+}
+
+/// What an ordered subscription does when the head of a key becomes a dead letter (see
+/// [`crate::ordering`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum DeadHeadPolicy {
+    /// The key stops until an operator redrives or skips its dead head; every other key
+    /// flows (default).
+    #[default]
+    Block,
+    /// The dead head is set aside (still listed as a dead letter) and the key's next
+    /// delivery is promoted.
+    Skip,
+}
+
+impl DeadHeadPolicy {
+    pub(crate) fn as_sql(self) -> &'static str {
+        match self {
+            DeadHeadPolicy::Block => "block",
+            DeadHeadPolicy::Skip => "skip",
+        }
+    }
+
+    pub(crate) fn from_sql(value: &str) -> Self {
+        match value {
+            "skip" => DeadHeadPolicy::Skip,
+            _ => DeadHeadPolicy::Block,
+        }
+    }
 }
 
 /// A subscription's settings as stored in `pgbus.subscriptions`: what every consumer of

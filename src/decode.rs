@@ -11,7 +11,7 @@ use serde_json::Value;
 use tokio_postgres::Row;
 use tokio_postgres::types::{FromSql, Type};
 
-use crate::event::Event;
+use crate::event::{Event, NUMBER_TOKEN};
 
 /// A column that could not be decoded, and why.
 #[derive(Debug)]
@@ -117,9 +117,6 @@ impl<'a> FromSql<'a> for Timestamp {
     }
 }
 
-/// The key serde_json (with `arbitrary_precision`) reads an object as a number by: an
-/// object whose first key it is comes back as a number, or fails to decode.
-pub(crate) const NUMBER_TOKEN: &str = "$serde_json::private::Number";
 
 /// A `jsonb` value, and how many bytes of JSON text it arrived as.
 struct Jsonb {

@@ -313,6 +313,10 @@ impl Event {
     }
 }
 
+/// The key serde_json (with `arbitrary_precision`) reads an object as a number by: an
+/// object whose first key it is comes back as a number, or fails to decode.
+pub(crate) const NUMBER_TOKEN: &str = "$serde_json::private::Number";
+
 /// An event's JSON text, validated and ready for the wire.
 #[derive(Debug)]
 pub(crate) struct Encoded {
@@ -424,7 +428,7 @@ fn check_no_nul(what: &'static str, value: &Value) -> Result<()> {
 /// An object with serde_json's number key would be read back as a number (or not at
 /// all): refuse it, as jsonb refuses `\u0000`.
 fn check_no_number_token(what: &'static str, value: &Value) -> Result<()> {
-    let token = crate::decode::NUMBER_TOKEN;
+    let token = NUMBER_TOKEN;
     match locate(value, &|_| false, &|k| k.ends_with(token)) {
         Some(at) => Err(Error::invalid(
             what,
@@ -521,7 +525,7 @@ mod tests {
 
     #[test]
     fn serde_jsons_number_key_is_refused() {
-        let key = crate::decode::NUMBER_TOKEN;
+        let key = NUMBER_TOKEN;
         let e = Event::new("a.b", json!({"x": [{ key: "12" }]}));
         let err = e.encode(DEFAULT_MAX_PAYLOAD_BYTES).unwrap_err();
         assert!(err.to_string().contains("at $.x[0]"), "{err}");

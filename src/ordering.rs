@@ -20,35 +20,7 @@ use crate::error::Result;
 use crate::publish::Executor;
 use crate::sql;
 
-/// What an ordered subscription does when the head of a key becomes a dead letter.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-#[non_exhaustive]
-pub enum DeadHeadPolicy {
-    /// The key stops until an operator redrives or skips its dead head; every other key
-    /// flows (default).
-    #[default]
-    Block,
-    /// The dead head is set aside (still listed as a dead letter) and the key's next
-    /// delivery is promoted.
-    Skip,
-}
-
-impl DeadHeadPolicy {
-    pub(crate) fn as_sql(self) -> &'static str {
-        match self {
-            DeadHeadPolicy::Block => "block",
-            DeadHeadPolicy::Skip => "skip",
-        }
-    }
-
-    pub(crate) fn from_sql(value: &str) -> Self {
-        match value {
-            "skip" => DeadHeadPolicy::Skip,
-            _ => DeadHeadPolicy::Block,
-        }
-    }
-}
+pub use crate::admin::DeadHeadPolicy;
 
 /// Makes a registered subscription ordered or unordered, with its dead-head policy
 /// (a shorthand for [`admin::configure_subscription`](crate::admin::configure_subscription),
