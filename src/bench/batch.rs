@@ -13,7 +13,7 @@ use tokio_postgres::types::ToSql;
 use super::{BenchArgs, Report, Runs, Server, histogram, record};
 use crate::error::Result;
 use crate::event::DEFAULT_MAX_PAYLOAD_BYTES;
-use crate::publish::{COLUMNS, INSERT_HEAD, INSERT_TAIL, ONE_TYPES};
+use crate::sql::{PUBLISH_COLUMNS, PUBLISH_HEAD, PUBLISH_TAIL, PUBLISH_TYPES};
 use crate::{Event, publish_batch};
 
 /// Default seconds per size and method.
@@ -53,7 +53,7 @@ impl Method {
 
 /// `publish_batch`'s statement over the COPY target instead of `unnest`.
 fn copy_insert_sql() -> String {
-    format!("{INSERT_HEAD}pgbus_copy AS {COLUMNS}{INSERT_TAIL}")
+    format!("{PUBLISH_HEAD}pgbus_copy AS {PUBLISH_COLUMNS}{PUBLISH_TAIL}")
 }
 
 /// Creates the COPY target on `client` (once per connection).
@@ -78,7 +78,7 @@ pub async fn publish_by_copy(
     events: &[Event],
 ) -> Result<i64> {
     let sink = tx.copy_in(COPY_IN).await?;
-    let writer = BinaryCopyInWriter::new(sink, &ONE_TYPES);
+    let writer = BinaryCopyInWriter::new(sink, &PUBLISH_TYPES);
     tokio::pin!(writer);
     for e in events {
         let enc = e.encode(DEFAULT_MAX_PAYLOAD_BYTES)?;
