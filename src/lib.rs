@@ -31,12 +31,10 @@
 //! ```
 
 pub mod admin;
-pub mod bench;
 mod bus;
 mod claim;
 mod decode;
 mod dispatch;
-pub mod embedded;
 mod error;
 mod event;
 mod listen;
@@ -44,7 +42,7 @@ pub mod ordering;
 mod publish;
 mod retry;
 pub mod schema;
-pub mod sql;
+mod sql;
 mod subscribe;
 
 pub use bus::{
@@ -68,6 +66,17 @@ pub use retry::{
 };
 pub use schema::migrate;
 pub use subscribe::{Delivery, Subscription};
+
+#[doc(hidden)]
+pub mod __private {
+    //! Not part of the API (no semver promise): pgbus's own test kit and benchmarks reach the bus's statements here.
+
+    /// The bus's statements (`src/sql.rs`). A glob re-export: the private module itself
+    /// cannot be re-exported.
+    pub mod sql {
+        pub use crate::sql::*;
+    }
+}
 
 /// The README's examples, compiled as doc tests.
 #[doc = include_str!("../README.md")]
