@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use futures::StreamExt;
-use pgbus::bench::{Server, seed_backlog};
 use pgbus::{Bus, Event};
+use pgbus_testkit::bench::{Server, seed_backlog};
 use tokio::runtime::Runtime;
 use tokio_postgres::{AsyncMessage, NoTls};
 
@@ -53,7 +53,7 @@ fn claim(c: &mut Criterion) {
     })
     .expect("seed");
     let stmt = rt
-        .block_on(client.prepare_typed(pgbus::sql::CLAIM, &pgbus::sql::CLAIM_TYPES))
+        .block_on(client.prepare_typed(pgbus_testkit::sql::CLAIM, &pgbus_testkit::sql::CLAIM_TYPES))
         .expect("prepare CLAIM");
 
     let mut group = c.benchmark_group("claim_100");

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use pgbus::Event;
-use pgbus::bench::{BenchDb, Server, sample_events};
+use pgbus_testkit::bench::{BenchDb, Server, sample_events};
 use tokio::runtime::Runtime;
 
 /// What one timed call publishes with.
@@ -32,7 +32,7 @@ async fn one_tx(client: &mut tokio_postgres::Client, method: Method, events: &[E
                 .expect("publish_batch");
         }
         Method::Copy => {
-            pgbus::bench::publish_by_copy(&tx, events)
+            pgbus_testkit::bench::publish_by_copy(&tx, events)
                 .await
                 .expect("publish by copy");
         }
@@ -51,7 +51,7 @@ fn publishing(c: &mut Criterion) {
     let mut client = rt.block_on(db.connect()).expect("connect");
     rt.block_on(async {
         pgbus::admin::register_subscription(&client, "bench-batch", &["bench.*"], 25).await?;
-        pgbus::bench::prepare_copy(&client).await
+        pgbus_testkit::bench::prepare_copy(&client).await
     })
     .expect("setup");
     let mut next = 0u64;

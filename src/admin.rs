@@ -5,7 +5,7 @@
 //! each works on any [`Executor`]: given a client, the statement is its own transaction;
 //! given a transaction, it joins it and commits or rolls back with it (the transactional
 //! twin). Every value is sent as a parameter. The statements are documented in
-//! [`sql`](mod@crate::sql).
+//! `src/sql.rs`.
 //!
 //! ```no_run
 //! # async fn example(client: &tokio_postgres::Client) -> Result<(), pgbus::Error> {

@@ -117,7 +117,6 @@ impl<'a> FromSql<'a> for Timestamp {
     }
 }
 
-
 /// A `jsonb` value, and how many bytes of JSON text it arrived as.
 struct Jsonb {
     value: Value,

@@ -53,11 +53,8 @@ pub mod schema;
 mod settle;
 mod shutdown;
 mod slot;
-pub mod sql;
+mod sql;
 mod stats;
-
-pub mod bench;
-pub mod embedded;
 
 pub use bus::{
     Bus, BusBuilder, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_BYTES, DEFAULT_CONCURRENCY,
@@ -80,6 +77,17 @@ pub use retry::{
 };
 pub use schema::migrate;
 pub use stats::Stats;
+
+#[doc(hidden)]
+pub mod __private {
+    //! Not part of the API (no semver promise): pgbus's own test kit and benchmarks reach the bus's statements here.
+
+    /// The bus's statements (`src/sql.rs`). A glob re-export: the private module itself
+    /// cannot be re-exported.
+    pub mod sql {
+        pub use crate::sql::*;
+    }
+}
 
 /// The README's examples, compiled as doc tests.
 #[doc = include_str!("../README.md")]

@@ -14,6 +14,7 @@ use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::event::{DEFAULT_MAX_PAYLOAD_BYTES, Encoded, Event};
+use crate::sql::{PUBLISH_COLUMNS, PUBLISH_HEAD, PUBLISH_TAIL, PUBLISH_TYPES};
 
 /// A connection or transaction that pgbus can publish through.
 ///
@@ -98,68 +99,6 @@ impl Default for Publisher {
     }
 }
 
-/// The statement, around its source of rows (`VALUES` for one event, `unnest` of
-/// arrays for a batch).
-///
-/// `conflict` finds an id already in the log with different content; then nothing is
-/// inserted, so a conflict writes nothing. A conflicting row committed after this
-/// statement's snapshot is caught by ON CONFLICT, whose no-op update makes it visible in
-/// RETURNING; an identical one is left alone and returns nothing (a duplicate).
-pub(crate) const INSERT_HEAD: &str = "WITH t AS (SELECT * FROM ";
-
-pub(crate) const INSERT_TAIL: &str = "),
-conflict AS (
-  SELECT t.id FROM t JOIN pgbus.events AS e ON e.id = t.id
-  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload, e.headers)
-        IS DISTINCT FROM
-        (t.event_name, t.event_version, t.aggregate_type, t.aggregate_id,
-         t.payload::jsonb, t.headers::jsonb)
-  LIMIT 1
-),
-written AS (
-  INSERT INTO pgbus.events AS e
-    (id, event_name, event_version, source, aggregate_type, aggregate_id, correlation_id,
-     causation_id, occurred_at, payload, headers, available_at, ordering_key)
-  SELECT t.id, t.event_name, t.event_version, t.source, t.aggregate_type, t.aggregate_id,
-         t.correlation_id, t.causation_id, coalesce(t.occurred_at, now()),
-         t.payload::jsonb, t.headers::jsonb,
-         coalesce(t.deliver_at, now() + t.delay_ms * interval '1 millisecond', now()),
-         t.ordering_key
-  FROM t
-  WHERE NOT EXISTS (SELECT 1 FROM conflict)
-  ON CONFLICT ON CONSTRAINT events_id_key DO UPDATE SET id = EXCLUDED.id
-  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload, e.headers)
-        IS DISTINCT FROM
-        (EXCLUDED.event_name, EXCLUDED.event_version, EXCLUDED.aggregate_type,
-         EXCLUDED.aggregate_id, EXCLUDED.payload, EXCLUDED.headers)
-  RETURNING e.id, xmax = 0 AS inserted
-)
-SELECT (SELECT count(*) FROM written WHERE inserted) AS inserted,
-       coalesce((SELECT id FROM conflict), (SELECT id FROM written WHERE NOT inserted LIMIT 1))
-         AS conflict";
-
-pub(crate) const COLUMNS: &str = "t(id, event_name, event_version, source, aggregate_type, aggregate_id, \
-     correlation_id, causation_id, occurred_at, payload, headers, deliver_at, delay_ms, \
-     ordering_key)";
-
-/// Parameter types of the single-event statement, in order.
-pub(crate) const ONE_TYPES: [Type; 14] = [
-    Type::TEXT,
-    Type::TEXT,
-    Type::INT4,
-    Type::TEXT,
-    Type::TEXT,
-    Type::TEXT,
-    Type::TEXT,
-    Type::TEXT,
-    Type::TIMESTAMPTZ,
-    Type::TEXT,
-    Type::TEXT,
-    Type::TIMESTAMPTZ,
-    Type::INT8,
-    Type::TEXT,
-];
-
 /// Parameter types of the batch statement: the same columns as arrays.
 const BATCH_TYPES: [Type; 14] = [
     Type::TEXT_ARRAY,
@@ -182,7 +121,7 @@ fn one_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         format!(
-            "{INSERT_HEAD}(VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)) AS {COLUMNS}{INSERT_TAIL}"
+            "{PUBLISH_HEAD}(VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)) AS {PUBLISH_COLUMNS}{PUBLISH_TAIL}"
         )
     })
 }
@@ -191,7 +130,7 @@ fn batch_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         format!(
-            "{INSERT_HEAD}unnest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) AS {COLUMNS}{INSERT_TAIL}"
+            "{PUBLISH_HEAD}unnest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) AS {PUBLISH_COLUMNS}{PUBLISH_TAIL}"
         )
     })
 }
@@ -230,20 +169,20 @@ impl Publisher {
             messaging.batch.message_count = 1_i64,
         );
         let params: [(&(dyn ToSql + Sync), Type); 14] = [
-            (&event.id, ONE_TYPES[0].clone()),
-            (&event.name, ONE_TYPES[1].clone()),
-            (&event.version, ONE_TYPES[2].clone()),
-            (&event.source, ONE_TYPES[3].clone()),
-            (&event.aggregate_type, ONE_TYPES[4].clone()),
-            (&event.aggregate_id, ONE_TYPES[5].clone()),
-            (&event.correlation_id, ONE_TYPES[6].clone()),
-            (&event.causation_id, ONE_TYPES[7].clone()),
-            (&event.occurred_at, ONE_TYPES[8].clone()),
-            (&enc.payload, ONE_TYPES[9].clone()),
-            (&enc.headers, ONE_TYPES[10].clone()),
-            (&event.deliver_at, ONE_TYPES[11].clone()),
-            (&enc.delay_ms, ONE_TYPES[12].clone()),
-            (&event.ordering_key, ONE_TYPES[13].clone()),
+            (&event.id, PUBLISH_TYPES[0].clone()),
+            (&event.name, PUBLISH_TYPES[1].clone()),
+            (&event.version, PUBLISH_TYPES[2].clone()),
+            (&event.source, PUBLISH_TYPES[3].clone()),
+            (&event.aggregate_type, PUBLISH_TYPES[4].clone()),
+            (&event.aggregate_id, PUBLISH_TYPES[5].clone()),
+            (&event.correlation_id, PUBLISH_TYPES[6].clone()),
+            (&event.causation_id, PUBLISH_TYPES[7].clone()),
+            (&event.occurred_at, PUBLISH_TYPES[8].clone()),
+            (&enc.payload, PUBLISH_TYPES[9].clone()),
+            (&enc.headers, PUBLISH_TYPES[10].clone()),
+            (&event.deliver_at, PUBLISH_TYPES[11].clone()),
+            (&enc.delay_ms, PUBLISH_TYPES[12].clone()),
+            (&event.ordering_key, PUBLISH_TYPES[13].clone()),
         ];
         let rows = client
             .client()

@@ -1,6 +1,7 @@
 //! Every statement the bus runs, named and documented in one place.
 //!
-//! Publishing's statements live in [`publish`](crate::publish()); the schema in `sql/`.
+//! Publishing's statement is assembled in [`publish`](crate::publish()) from
+//! [`PUBLISH_HEAD`] and [`PUBLISH_TAIL`]; the schema is in `sql/`.
 //! The bus prepares these once per pooled connection (one round trip per use after
 //! that). [`ALL`] lists them so that a test can prepare each against a migrated database.
 
@@ -480,6 +481,74 @@ FROM redriven";
 /// Parameters: `$1 text` subscription, `$2 text` key. Returns a row when there was a dead
 /// head to skip.
 pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
+
+/// The start of publishing's statement ([`publish`](crate::publish()),
+/// [`publish_batch`](crate::publish_batch())): `PUBLISH_HEAD`, a source of rows (`VALUES`
+/// for one event, `unnest` of arrays for a batch), `AS` [`PUBLISH_COLUMNS`], then
+/// [`PUBLISH_TAIL`].
+///
+/// `conflict` finds an id already in the log with different content; then nothing is
+/// inserted, so a conflict writes nothing. A conflicting row committed after this
+/// statement's snapshot is caught by ON CONFLICT, whose no-op update makes it visible in
+/// RETURNING; an identical one is left alone and returns nothing (a duplicate).
+pub const PUBLISH_HEAD: &str = "WITH t AS (SELECT * FROM ";
+
+/// The end of publishing's statement (see [`PUBLISH_HEAD`]). Returns one row: how many
+/// events were inserted, and the id of an event that conflicts (NULL when none does).
+pub const PUBLISH_TAIL: &str = "),
+conflict AS (
+  SELECT t.id FROM t JOIN pgbus.events AS e ON e.id = t.id
+  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload, e.headers)
+        IS DISTINCT FROM
+        (t.event_name, t.event_version, t.aggregate_type, t.aggregate_id,
+         t.payload::jsonb, t.headers::jsonb)
+  LIMIT 1
+),
+written AS (
+  INSERT INTO pgbus.events AS e
+    (id, event_name, event_version, source, aggregate_type, aggregate_id, correlation_id,
+     causation_id, occurred_at, payload, headers, available_at, ordering_key)
+  SELECT t.id, t.event_name, t.event_version, t.source, t.aggregate_type, t.aggregate_id,
+         t.correlation_id, t.causation_id, coalesce(t.occurred_at, now()),
+         t.payload::jsonb, t.headers::jsonb,
+         coalesce(t.deliver_at, now() + t.delay_ms * interval '1 millisecond', now()),
+         t.ordering_key
+  FROM t
+  WHERE NOT EXISTS (SELECT 1 FROM conflict)
+  ON CONFLICT ON CONSTRAINT events_id_key DO UPDATE SET id = EXCLUDED.id
+  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload, e.headers)
+        IS DISTINCT FROM
+        (EXCLUDED.event_name, EXCLUDED.event_version, EXCLUDED.aggregate_type,
+         EXCLUDED.aggregate_id, EXCLUDED.payload, EXCLUDED.headers)
+  RETURNING e.id, xmax = 0 AS inserted
+)
+SELECT (SELECT count(*) FROM written WHERE inserted) AS inserted,
+       coalesce((SELECT id FROM conflict), (SELECT id FROM written WHERE NOT inserted LIMIT 1))
+         AS conflict";
+
+/// The columns of publishing's source of rows, in parameter order (see [`PUBLISH_HEAD`]).
+pub const PUBLISH_COLUMNS: &str = "t(id, event_name, event_version, source, aggregate_type, aggregate_id, \
+     correlation_id, causation_id, occurred_at, payload, headers, deliver_at, delay_ms, \
+     ordering_key)";
+
+/// The parameter types of the single-event statement (`VALUES ($1, ... $14)`), in the
+/// order of [`PUBLISH_COLUMNS`].
+pub const PUBLISH_TYPES: [tokio_postgres::types::Type; 14] = [
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::INT4,
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::TIMESTAMPTZ,
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::TIMESTAMPTZ,
+    tokio_postgres::types::Type::INT8,
+    tokio_postgres::types::Type::TEXT,
+];
 
 /// Every statement above, by name.
 pub const ALL: &[(&str, &str)] = &[

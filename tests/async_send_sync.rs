@@ -18,7 +18,7 @@ fn public_types_are_send_sync_and_static() {
     send_sync_static::<pgbus::SubscriptionOptions>();
     send_sync_static::<pgbus::Published>();
     send_sync_static::<pgbus::Publisher>();
-    send_sync_static::<pgbus::embedded::EmbeddedPostgres>();
+    send_sync_static::<pgbus_testkit::embedded::EmbeddedPostgres>();
 }
 
 #[test]

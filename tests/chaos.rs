@@ -20,11 +20,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use pgbus::embedded::{EmbeddedPostgres, ShutdownMode};
 use pgbus::{
     Bus, BusBuilder, Error, Event, HandlerError, RetryPolicy, RunningBus, Subscription,
     SubscriptionOptions,
 };
+use pgbus_testkit::embedded::{EmbeddedPostgres, ShutdownMode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};

@@ -38,7 +38,7 @@ async fn big_events(client: &Client, n: i32) {
 /// Runs the claim statement by hand with a budget; returns (rows claimed, cut).
 async fn claim(client: &Client, budget: i64) -> (usize, bool) {
     let stmt = client
-        .prepare_typed(pgbus::sql::CLAIM, &pgbus::sql::CLAIM_TYPES)
+        .prepare_typed(pgbus_testkit::sql::CLAIM, &pgbus_testkit::sql::CLAIM_TYPES)
         .await
         .unwrap();
     let rows = client
@@ -177,8 +177,8 @@ async fn the_budget_reads_sizes_by_primary_key_and_the_claim_keeps_its_index() {
         .unwrap();
     let stmt = client
         .prepare_typed(
-            &format!("EXPLAIN (FORMAT JSON) {}", pgbus::sql::CLAIM),
-            &pgbus::sql::CLAIM_TYPES,
+            &format!("EXPLAIN (FORMAT JSON) {}", pgbus_testkit::sql::CLAIM),
+            &pgbus_testkit::sql::CLAIM_TYPES,
         )
         .await
         .unwrap();

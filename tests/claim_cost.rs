@@ -49,7 +49,7 @@ async fn claim_buffers(client: &mut tokio_postgres::Client, sub: &str) -> Buffer
         .query(
             &format!(
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
-                pgbus::sql::CLAIM
+                pgbus_testkit::sql::CLAIM
             ),
             &[
                 &names,

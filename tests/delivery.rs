@@ -959,7 +959,7 @@ async fn no_event_waits_for_the_poll_at_busy_to_idle_transitions() {
 async fn every_bus_statement_prepares_against_the_schema() {
     let db = common::test_db().await;
     let client = db.connect().await;
-    for (name, sql) in pgbus::sql::ALL {
+    for (name, sql) in pgbus_testkit::sql::ALL {
         client
             .prepare(sql)
             .await
@@ -992,7 +992,7 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
         let quotas = vec![100_i32];
         let rows = client
             .query(
-                &format!("EXPLAIN (FORMAT JSON) {}", pgbus::sql::CLAIM),
+                &format!("EXPLAIN (FORMAT JSON) {}", pgbus_testkit::sql::CLAIM),
                 &[
                     &names,
                     &quotas,

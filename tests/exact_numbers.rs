@@ -2,58 +2,25 @@
 //! API (publish, handler, stream), SQL's `pgbus.publish`, `pgbus publish`, and `pgbus
 //! consume` (its JSON lines and a command's standard input). "Exactly" means: the
 //! delivered JSON equals `payload::text` read from PostgreSQL, number for number, and the
-//! stored value equals the published one (`$1::jsonb = payload`).
+//! stored value equals the published one (`$1::jsonb = payload`). The command line's
+//! part is in `cli/tests/exact_numbers.rs`.
 
 mod common;
-mod proc;
+#[path = "shared/exact_numbers.rs"]
+mod shared;
 
 use std::time::Duration;
 
+use common::wait_settled;
 use futures::StreamExt;
 use pgbus::{Bus, Event, HandlerError};
-use proc::{Consumer, pgbus_on, run, scratch, wait_settled};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 use serde_json::Value;
+use shared::{PAYLOADS, assert_exact, stored_payload};
 use tokio::sync::mpsc;
-use tokio_postgres::Client;
 
 const WAIT: Duration = Duration::from_secs(30);
-
-/// JSON texts whose numbers an `f64` cannot hold, or that jsonb writes differently.
-const PAYLOADS: &[&str] = &[
-    r#"{"big": 18446744073709551617, "dec": 12345678.123456789012, "tiny": 1e-400}"#,
-    r#"[9007199254740993, -9007199254740993, 340282366920938463463374607431768211457,
-        -170141183460469231731687303715884105729, 123456789012345678901234567890.5]"#,
-    r#"{"x": [0.1, 1.0, 1.50, 100, 1e17, 1E+17, 2.5e-10, 1e400, -1e-400]}"#,
-    r#"{"zeros": [-0, -0.0, 0.0, 0e10, 0.000]}"#,
-    r#"{"money": 0.30000000000000000004, "n": {"deep": [[99999999999999999999.99]]}}"#,
-];
-
-/// The stored payload of event `id`: its text form parsed (numbers kept as text), and
-/// whether it equals `published` as jsonb (numeric equality, no rounding on the way in).
-async fn stored_payload(client: &Client, id: &str, published: &str) -> (Value, bool) {
-    let row = client
-        .query_one(
-            "SELECT payload::text, payload = $2::text::jsonb FROM pgbus.events WHERE id = $1",
-            &[&id, &published],
-        )
-        .await
-        .unwrap();
-    let text: String = row.get(0);
-    (serde_json::from_str(&text).unwrap(), row.get(1))
-}
-
-/// `delivered` is `stored` exactly: the same JSON with the same number texts.
-fn assert_exact(what: &str, delivered: &Value, stored: &Value) {
-    // With arbitrary_precision, numbers compare by their text.
-    assert_eq!(delivered, stored, "{what}");
-    assert_eq!(
-        serde_json::to_string(delivered).unwrap(),
-        serde_json::to_string(stored).unwrap(),
-        "{what}"
-    );
-}
 
 #[tokio::test]
 async fn rust_publish_to_handler_and_sql_publish_to_stream_keep_every_digit() {
@@ -164,54 +131,6 @@ async fn headers_keep_every_digit_too() {
 }
 
 #[tokio::test]
-async fn cli_publish_to_consume_lines_and_exec_stdin_keep_every_digit() {
-    let db = common::test_db().await;
-    let client = db.connect().await;
-    let dir = scratch("exact");
-    let mut printer = Consumer::start(&db, &["-s", "printer", "-p", "n.*"]).await;
-    let exec = Consumer::start_in(
-        &db,
-        &[
-            "-s",
-            "exec",
-            "-p",
-            "n.*",
-            "--exec",
-            "cat > \"$PGBUS_EVENT_ID.json\"",
-        ],
-        Some(&dir),
-    )
-    .await;
-    for (i, text) in PAYLOADS.iter().enumerate() {
-        run(
-            pgbus_on(&db),
-            &["publish", "n.cli", text, "--id", &format!("cli-{i}")],
-        )
-        .await
-        .ok();
-    }
-    for _ in PAYLOADS {
-        let line = printer.next().await;
-        let id = line["id"].as_str().unwrap().to_string();
-        let i: usize = id["cli-".len()..].parse().unwrap();
-        let (stored, equal) = stored_payload(&client, &id, PAYLOADS[i]).await;
-        assert!(equal, "{id}: the stored payload is not {}", PAYLOADS[i]);
-        assert_exact(&format!("consume line, {id}"), &line["payload"], &stored);
-    }
-    wait_settled(&client, "both consumers").await;
-    for (i, text) in PAYLOADS.iter().enumerate() {
-        let id = format!("cli-{i}");
-        let input = std::fs::read_to_string(dir.join(format!("{id}.json"))).unwrap();
-        let input: Value = serde_json::from_str(&input).unwrap();
-        let (stored, _) = stored_payload(&client, &id, text).await;
-        assert_exact(&format!("--exec stdin, {id}"), &input["payload"], &stored);
-    }
-    assert_eq!(printer.terminate().await, 0);
-    assert_eq!(exec.terminate().await, 0);
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-#[tokio::test]
 async fn an_object_that_serde_json_would_read_as_a_number_is_refused_or_dead_lettered() {
     let db = common::test_db().await;
     let client = db.connect().await;
@@ -222,7 +141,7 @@ async fn an_object_that_serde_json_would_read_as_a_number_is_refused_or_dead_let
         .unwrap_err();
     assert!(matches!(err, pgbus::Error::Invalid { .. }), "{err}");
     assert_eq!(
-        proc::count(&client, "SELECT count(*) FROM pgbus.events").await,
+        common::count(&client, "SELECT count(*) FROM pgbus.events").await,
         0
     );
     // Written by SQL, it is dead-lettered with the reason, never delivered as 12.
@@ -255,7 +174,7 @@ async fn an_object_that_serde_json_would_read_as_a_number_is_refused_or_dead_let
         common::within("the handler", WAIT, handled.recv()).await,
         Some("fine".to_string())
     );
-    proc::wait_count(
+    common::wait_count(
         &client,
         "the dead letter",
         "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead' \

@@ -156,7 +156,7 @@ async fn a_private_cluster_survives_a_crash_and_restart() {
         .unwrap();
 
     cluster
-        .restart(pgbus::embedded::ShutdownMode::Immediate)
+        .restart(pgbus_testkit::embedded::ShutdownMode::Immediate)
         .await
         .unwrap();
     assert!(client.is_closed() || client.simple_query("SELECT 1").await.is_err());

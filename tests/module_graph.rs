@@ -87,7 +87,10 @@ fn only_the_crate_root_reaches_the_bus() {
         .filter(|(name, deps)| *name != "lib" && deps.contains("bus"))
         .map(|(name, _)| name)
         .collect();
-    assert!(reaching.is_empty(), "modules that import the bus: {reaching:?}");
+    assert!(
+        reaching.is_empty(),
+        "modules that import the bus: {reaching:?}"
+    );
 }
 
 #[test]

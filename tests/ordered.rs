@@ -637,7 +637,7 @@ async fn ordered_claim_buffers(client: &mut tokio_postgres::Client) -> (i64, i64
         .query(
             &format!(
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
-                pgbus::sql::CLAIM
+                pgbus_testkit::sql::CLAIM
             ),
             &[
                 &names,

@@ -328,13 +328,13 @@ async fn publisher_and_consumer_roles_need_only_their_grants() {
     // The maintenance statements the bus runs on its timers, run as the consumer now.
     let cc = connect(&as_role(&db.config(), consumer)).await.unwrap();
     let reap = cc
-        .prepare_typed(pgbus::sql::REAP, &[Type::INT4])
+        .prepare_typed(pgbus_testkit::sql::REAP, &[Type::INT4])
         .await
         .unwrap();
     cc.query_one(&reap, &[&1000_i32]).await.unwrap();
     let extend = cc
         .prepare_typed(
-            pgbus::sql::EXTEND,
+            pgbus_testkit::sql::EXTEND,
             &[
                 Type::TEXT_ARRAY,
                 Type::INT8_ARRAY,

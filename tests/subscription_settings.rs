@@ -1,35 +1,22 @@
 //! A subscription's settings are shared by every consumer of it: a starting consumer
 //! follows the stored ones, refuses to start where it asks for different ones, and
 //! changes them only when told to (`reconfigure`, or the operator's `subscriptions set`),
-//! which converts the backlog in the same transaction.
+//! which converts the backlog in the same transaction. The command line's part is in
+//! `cli/tests/subscription_settings.rs`.
 
 mod common;
-mod proc;
+#[path = "shared/subscription_settings.rs"]
+mod shared;
 
 use std::time::Duration;
 
+use common::count;
 use pgbus::admin::{self, SubscriptionChange};
 use pgbus::{Bus, DeadHeadPolicy, Error, Event, RetryPolicy, SubscriptionOptions};
-use proc::{count, pgbus_on, run};
 use serde_json::json;
+use shared::{ordered_ship, stored};
 
 const WAIT: Duration = Duration::from_secs(30);
-
-async fn ordered_ship(client: &tokio_postgres::Client) {
-    admin::register_subscription(client, "ship", &["order.*"], 7)
-        .await
-        .unwrap();
-    pgbus::ordering::set_ordering(client, "ship", true, DeadHeadPolicy::Skip)
-        .await
-        .unwrap();
-}
-
-async fn stored(client: &tokio_postgres::Client) -> admin::SubscriptionSettings {
-    admin::subscription_settings(client, "ship")
-        .await
-        .unwrap()
-        .expect("the subscription exists")
-}
 
 fn bus(db: &common::TestDb) -> pgbus::BusBuilder {
     Bus::builder(db.config()).poll_interval(Duration::from_millis(100))
@@ -236,56 +223,6 @@ async fn turning_ordering_on_gives_each_key_one_head_in_event_order() {
             "SELECT count(*) FROM pgbus.deliveries WHERE ordering_key IS NULL AND is_head"
         )
         .await,
-        1
-    );
-}
-
-#[tokio::test]
-async fn the_command_line_joins_refuses_and_sets() {
-    let db = common::test_db().await;
-    let client = db.connect().await;
-    ordered_ship(&client).await;
-
-    // A consumer asking for unordered delivery refuses, with exit 2, and says how.
-    let out = run(pgbus_on(&db), &["consume", "-s", "ship", "--unordered"]).await;
-    assert_eq!(out.code, 2, "{out:?}");
-    assert!(
-        out.stderr.contains("ordered false (stored: true)"),
-        "{out:?}"
-    );
-    assert!(
-        out.stderr
-            .contains("pgbus subscriptions set ship --unordered"),
-        "{out:?}"
-    );
-    assert!(stored(&client).await.ordered);
-
-    // The operator's command changes it for everyone.
-    let out = run(
-        pgbus_on(&db),
-        &["subscriptions", "set", "ship", "--unordered", "--json"],
-    )
-    .await
-    .ok();
-    let v = out.json();
-    assert_eq!(v["ordered"], false);
-    assert_eq!(v["on_dead"], "skip");
-    assert!(!stored(&client).await.ordered);
-
-    // Nothing to change is a usage error; an unknown subscription a failure.
-    assert_eq!(
-        run(pgbus_on(&db), &["subscriptions", "set", "ship"])
-            .await
-            .code,
-        2
-    );
-    assert_eq!(
-        run(
-            pgbus_on(&db),
-            &["subscriptions", "set", "nope", "--ordered"]
-        )
-        .await
-        .code,
         1
     );
 }

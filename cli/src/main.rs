@@ -1,5 +1,6 @@
 //! The `pgbus` command line.
 
+mod bench;
 mod cli;
 
 use std::io::IsTerminal as _;
@@ -67,7 +68,7 @@ enum Command {
     /// Run producers and handlers on a throwaway PostgreSQL, with a live view.
     Demo(cli::demo::DemoArgs),
     /// Run a benchmark workload and print its figures.
-    Bench(pgbus::bench::BenchArgs),
+    Bench(bench::BenchArgs),
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
@@ -98,7 +99,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Sweep(args) => cli::admin::sweep(args, url).await,
         Command::Demo(args) => cli::demo::run(args, url).await,
         Command::Bench(args) => {
-            pgbus::bench::run(args, cli.database_url.as_deref()).await?;
+            bench::run(args, cli.database_url.as_deref()).await?;
             Ok(())
         }
     }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::{BenchArgs, Report, Runs, Server, seed_keyed_backlog};
-use crate::error::{Error, Result};
+use pgbus::{Error, Result};
 
 /// The default backlog.
 const DEFAULT_BACKLOG: u64 = 20_000;
@@ -105,7 +105,7 @@ pub(crate) async fn drain(
             builder = builder.handler_fn_with(
                 name,
                 ["bench.drain"],
-                crate::SubscriptionOptions::new().ordered(keys > 0),
+                pgbus::SubscriptionOptions::new().ordered(keys > 0),
                 |_event| async { Ok(()) },
             );
         }
@@ -135,7 +135,7 @@ pub(crate) async fn drain(
             .await?
             .get(0);
         if left != 0 {
-            return Err(Error::invalid(
+            return Err(super::invalid(
                 "bench",
                 format!("{left} deliveries left after the drain"),
             ));

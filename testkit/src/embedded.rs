@@ -10,7 +10,7 @@
 //! when this process is root the server runs as the `postgres` OS user.
 //!
 //! ```no_run
-//! use pgbus::embedded::{EmbeddedOptions, EmbeddedPostgres};
+//! use pgbus_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres};
 //!
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
 //! let pg = EmbeddedPostgres::start(EmbeddedOptions::default()).await?;
@@ -290,14 +290,14 @@ struct RunAs {
     gid: u32,
 }
 
-fn running_as_root() -> Result<bool, EmbeddedError> {
-    let me = fs::metadata("/proc/self").map_err(io_error("reading /proc/self"))?;
-    Ok(me.uid() == 0)
+/// Whether this process runs as root (its effective user id is 0).
+pub(crate) fn running_as_root() -> bool {
+    rustix::process::geteuid().is_root()
 }
 
 /// `None` when this process is not root; else the `postgres` user from `/etc/passwd`.
 fn server_user() -> Result<Option<RunAs>, EmbeddedError> {
-    if !running_as_root()? {
+    if !running_as_root() {
         return Ok(None);
     }
     let passwd = fs::read_to_string("/etc/passwd").map_err(io_error("reading /etc/passwd"))?;
@@ -416,7 +416,7 @@ impl ShutdownMode {
 /// How to set up an [`EmbeddedPostgres`].
 ///
 /// ```
-/// use pgbus::embedded::EmbeddedOptions;
+/// use pgbus_testkit::embedded::EmbeddedOptions;
 ///
 /// let options = EmbeddedOptions::default()
 ///     .durable(true)
@@ -537,7 +537,7 @@ impl EmbeddedOptions {
             }
             settings.push((name, value.clone()));
         }
-        let mut file = String::from("# Written by pgbus::embedded at every start.\n");
+        let mut file = String::from("# Written by pgbus_testkit::embedded at every start.\n");
         for (name, value) in settings {
             let quoted = value.replace('\\', "\\\\").replace('\'', "''");
             let _ = writeln!(file, "{name} = '{quoted}'");
@@ -696,14 +696,57 @@ fn process_state(pid: u32) -> Option<char> {
     process_stat(pid).and_then(|(_, state)| state)
 }
 
-/// The name and state letter of process `pid`, from `/proc/<pid>/stat`.
+/// Whether this system has Linux's `/proc/<pid>/` files; elsewhere (macOS, the BSDs)
+/// processes are inspected with `ps`.
+fn has_proc_files() -> bool {
+    Path::new("/proc/self/stat").exists()
+}
+
+/// The name and state letter of process `pid`: from `/proc/<pid>/stat`, or from `ps`
+/// where there is no such file.
 fn process_stat(pid: u32) -> Option<(String, Option<char>)> {
+    if !has_proc_files() {
+        let comm = ps(pid, "comm")?;
+        // macOS's `ps` prints the executable's path.
+        let comm = comm.rsplit('/').next().unwrap_or(&comm).to_owned();
+        let state = ps(pid, "state").and_then(|s| s.chars().next());
+        return Some((comm, state));
+    }
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // `<pid> (<comm>) <state> ...`; the name may itself hold parentheses.
     let (open, close) = (stat.find('(')?, stat.rfind(')')?);
     let comm = stat.get(open + 1..close)?.to_owned();
     let state = stat[close + 1..].trim_start().chars().next();
     Some((comm, state))
+}
+
+/// The arguments process `pid` was started with: from `/proc/<pid>/cmdline`, or from
+/// `ps` (split at white space) where there is no such file. `None` when there is no such
+/// process.
+pub(crate) fn process_args(pid: u32) -> Option<Vec<String>> {
+    if !has_proc_files() {
+        let args = ps(pid, "args")?;
+        return Some(args.split_whitespace().map(str::to_owned).collect());
+    }
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    Some(
+        cmdline
+            .split(|b| *b == 0)
+            .map(|arg| String::from_utf8_lossy(arg).into_owned())
+            .collect(),
+    )
+}
+
+/// What `ps -o <field>= -p <pid>` prints, trimmed; `None` when there is no such process.
+fn ps(pid: u32, field: &str) -> Option<String> {
+    let out = Command::new("ps")
+        .args(["-o", &format!("{field}="), "-p", &pid.to_string()])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    (out.status.success() && !text.is_empty()).then_some(text)
 }
 
 /// A process that stops the server and removes its directory when the process that
@@ -950,7 +993,7 @@ impl EmbeddedPostgres {
         let dir = fs::canonicalize(dir).map_err(|_| not_running())?;
         let data_dir = dir.join("data");
         let pid_file = PidFile::read(&data_dir).ok_or_else(not_running)?;
-        let run_as = match running_as_root()? {
+        let run_as = match running_as_root() {
             true => {
                 let meta = fs::metadata(&data_dir)
                     .map_err(io_error(format!("reading {}", data_dir.display())))?;

@@ -13,8 +13,8 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{Client, NoTls};
 
 use super::{BenchArgs, BenchDb, PublishState, Report, Runs, Server, round};
-use crate::Event;
-use crate::error::Result;
+use pgbus::Event;
+use pgbus::Result;
 
 /// Default measured seconds per cell.
 const DEFAULT_SECONDS: f64 = 1.0;
@@ -71,10 +71,10 @@ async fn publisher(
         let tx = client.transaction().await?;
         match (kind, batch) {
             (Kind::Pgbus, 1) => {
-                crate::publish(&tx, &evs[0]).await?;
+                pgbus::publish(&tx, &evs[0]).await?;
             }
             (Kind::Pgbus, _) => {
-                crate::publish_batch(&tx, &evs).await?;
+                pgbus::publish_batch(&tx, &evs).await?;
             }
             (Kind::Plain, 1) => {
                 let e = &evs[0];
@@ -127,7 +127,7 @@ async fn enter_state(
     admin: &Client,
     state: Option<PublishState>,
     args: &BenchArgs,
-) -> Result<(Option<Listener>, Option<crate::RunningBus>)> {
+) -> Result<(Option<Listener>, Option<pgbus::RunningBus>)> {
     admin
         .batch_execute(
             "TRUNCATE pgbus.events, pgbus.deliveries, public.bench_plain; \
@@ -257,7 +257,7 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
         let result = async {
             let admin = db.connect().await?;
             admin.batch_execute(PLAIN_TABLE).await?;
-            crate::admin::register_subscription(&admin, "bench-publish", &["bench.*"], 25).await?;
+            pgbus::admin::register_subscription(&admin, "bench-publish", &["bench.*"], 25).await?;
             let mut clients = Vec::new();
             for _ in 0..max_publishers {
                 clients.push(db.connect().await?);
@@ -280,7 +280,7 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
                     }
                 }
             }
-            Ok::<_, crate::Error>(())
+            Ok::<_, pgbus::Error>(())
         }
         .await;
         db.drop_database().await?;

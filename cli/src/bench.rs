@@ -1,9 +1,10 @@
-//! Benchmark workloads, shared by `pgbus bench` and the criterion benches in `benches/`.
+//! The workloads of `pgbus bench`.
 //!
 //! Each workload runs against `DATABASE_URL` or, when none is given, a throwaway cluster
 //! with PostgreSQL's durable defaults (fsync on, synchronous_commit on), in a database of
-//! its own created for each run (`CREATE DATABASE` + [`migrate`](crate::migrate())) and
-//! dropped after it, so runs never see each other's rows.
+//! its own created for each run (`CREATE DATABASE` + [`pgbus::migrate`]) and dropped after
+//! it, so runs never see each other's rows ([`pgbus_testkit::bench`], which the criterion
+//! benches in the library's `benches/` share).
 //!
 //! | workload | what it measures |
 //! | --- | --- |
@@ -18,14 +19,11 @@
 //! milliseconds; rates in events per second. Every figure is the median of `--runs` runs,
 //! with the runs' values beside it.
 
-use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
+use pgbus::Result;
 use serde_json::{Value, json};
-use tokio_postgres::{Client, Config, NoTls};
-
-use crate::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use crate::error::{Error, Result};
+use tokio_postgres::Config;
 
 mod batch;
 mod latency;
@@ -34,12 +32,22 @@ mod mixed;
 mod publish;
 mod throughput;
 
-pub use batch::{prepare_copy, publish_by_copy, sample_events};
+use pgbus_testkit::bench::{
+    BenchDb, Server, prepare_copy, publish_by_copy, sample_events, seed_backlog, seed_keyed_backlog,
+};
+
+/// An [`Error::Invalid`](pgbus::Error::Invalid) about `what`.
+fn invalid(what: &'static str, reason: impl ToString) -> pgbus::Error {
+    pgbus::Error::Invalid {
+        what,
+        reason: reason.to_string(),
+    }
+}
 
 /// The workloads of `pgbus bench`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 #[non_exhaustive]
-pub enum Workload {
+pub(crate) enum Workload {
     /// Idle bus: commit-to-handler latency, and the raw LISTEN/NOTIFY round trip.
     Latency,
     /// Drain a backlog with no-op handlers (one and four subscriptions per event).
@@ -73,7 +81,7 @@ impl Workload {
 /// The consumer states of the `publish` workload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 #[non_exhaustive]
-pub enum PublishState {
+pub(crate) enum PublishState {
     /// The notify trigger is disabled: the same schema with notification switched off.
     Off,
     /// No consumer is registered: every commit notifies (nobody is known to be awake).
@@ -101,7 +109,7 @@ impl PublishState {
 /// Arguments of `pgbus bench`.
 #[derive(Debug, Clone, clap::Args)]
 #[non_exhaustive]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     /// The workload to run.
     #[arg(value_enum, default_value = "all")]
     pub workload: Workload,
@@ -123,7 +131,7 @@ pub struct BenchArgs {
     /// `synchronous_commit`: `on` waits for each one's WAL flush, `off` does not
     /// (at-least-once delivery allows it: a lost acknowledgement is redelivered). Default:
     /// the bus's default, off.
-    #[arg(long, default_value_t = crate::DEFAULT_SYNCHRONOUS_COMMIT, action = clap::ArgAction::Set,
+    #[arg(long, default_value_t = pgbus::DEFAULT_SYNCHRONOUS_COMMIT, action = clap::ArgAction::Set,
           value_parser = clap::builder::BoolishValueParser::new(), value_name = "on|off")]
     pub bus_synchronous_commit: bool,
 
@@ -135,7 +143,7 @@ pub struct BenchArgs {
 /// The settings of particular workloads (each names the workloads it applies to).
 #[derive(Debug, Clone, clap::Args)]
 #[non_exhaustive]
-pub struct Knobs {
+pub(crate) struct Knobs {
     /// latency: events published (one per transaction). mixed: seconds of offered load
     /// are set by --seconds instead.
     #[arg(long, default_value_t = 1000)]
@@ -195,7 +203,8 @@ pub struct Knobs {
 
 impl BenchArgs {
     /// Arguments for `workload` with every default, as `pgbus bench <workload>` has them.
-    pub fn new(workload: Workload) -> BenchArgs {
+    #[cfg(test)]
+    pub(crate) fn new(workload: Workload) -> BenchArgs {
         use clap::Parser as _;
         #[derive(clap::Parser)]
         struct Wrapper {
@@ -213,7 +222,7 @@ impl BenchArgs {
 /// # Errors
 ///
 /// When PostgreSQL cannot be reached or a workload fails.
-pub async fn run(args: BenchArgs, database_url: Option<&str>) -> Result<()> {
+pub(crate) async fn run(args: BenchArgs, database_url: Option<&str>) -> Result<()> {
     if args.child {
         return memory::run_child(&args, database_url).await;
     }
@@ -280,15 +289,15 @@ pub async fn run(args: BenchArgs, database_url: Option<&str>) -> Result<()> {
 }
 
 /// A bus builder for `config` with the bench's concurrency and `synchronous_commit`.
-fn bus(config: &Config, args: &BenchArgs) -> crate::BusBuilder {
-    crate::Bus::builder(config.clone())
+fn bus(config: &Config, args: &BenchArgs) -> pgbus::BusBuilder {
+    pgbus::Bus::builder(config.clone())
         .concurrency(args.knobs.concurrency)
         .synchronous_commit(args.bus_synchronous_commit)
 }
 
 /// What one workload found: its JSON object and its text.
 #[derive(Debug, Default)]
-pub struct Report {
+pub(crate) struct Report {
     /// The figures, under the field names `pgbus bench --json` prints.
     pub json: Value,
     /// The same figures for people.
@@ -312,198 +321,8 @@ impl Report {
     }
 }
 
-/// The PostgreSQL server the benchmarks run on: `DATABASE_URL`'s, or a throwaway durable
-/// cluster of their own.
-#[derive(Debug)]
-pub struct Server {
-    admin: Config,
-    embedded: Option<EmbeddedPostgres>,
-}
-
-impl Server {
-    /// Connects to `database_url`, or starts a throwaway cluster with PostgreSQL's
-    /// durable defaults when it is `None` (it is removed when this value is dropped).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Invalid`] for a malformed URL or when the cluster cannot be started;
-    /// [`Error::Database`] when the server cannot be reached.
-    pub async fn start(database_url: Option<&str>) -> Result<Server> {
-        let server = match database_url.filter(|u| !u.trim().is_empty()) {
-            Some(url) => {
-                let admin: Config = url
-                    .parse()
-                    .map_err(|e| Error::invalid("database url", format!("{e}")))?;
-                Server {
-                    admin,
-                    embedded: None,
-                }
-            }
-            None => {
-                let pg = EmbeddedPostgres::start(EmbeddedOptions::default().durable(true))
-                    .await
-                    .map_err(|e| Error::invalid("embedded server", e.to_string()))?;
-                Server {
-                    admin: pg.config("postgres"),
-                    embedded: Some(pg),
-                }
-            }
-        };
-        connect(&server.admin).await?;
-        Ok(server)
-    }
-
-    /// Creates a new, migrated database for one run of a workload.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Database`] when it cannot be created or migrated.
-    pub async fn fresh_database(&self, label: &str) -> Result<BenchDb> {
-        let name = format!(
-            "pgbus_bench_{label}_{}_{:08x}",
-            std::process::id(),
-            fastrand::u32(..)
-        );
-        let admin = connect(&self.admin).await?;
-        admin
-            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
-            .await?;
-        let mut config = self.admin.clone();
-        config.dbname(&name);
-        let db = BenchDb {
-            config,
-            admin: self.admin.clone(),
-            name,
-        };
-        crate::migrate(&db.connect().await?).await?;
-        Ok(db)
-    }
-
-    /// The server settings that matter for the figures, as a JSON object.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Database`] when the server cannot be reached.
-    pub async fn settings(&self) -> Result<Value> {
-        let client = connect(&self.admin).await?;
-        let mut settings = serde_json::Map::new();
-        for name in [
-            "server_version",
-            "fsync",
-            "synchronous_commit",
-            "full_page_writes",
-            "wal_sync_method",
-            "shared_buffers",
-            "wal_level",
-            "max_connections",
-            "commit_delay",
-            "max_wal_size",
-        ] {
-            let row = client
-                .query_one("SELECT current_setting($1)", &[&name])
-                .await?;
-            settings.insert(name.into(), Value::String(row.get(0)));
-        }
-        settings.insert("embedded".into(), Value::Bool(self.embedded.is_some()));
-        Ok(Value::Object(settings))
-    }
-
-    async fn stop(self) {
-        if let Some(pg) = self.embedded {
-            let _ = pg.stop(crate::embedded::ShutdownMode::Fast).await;
-        }
-    }
-}
-
-/// A database made for one run of a workload; [`BenchDb::drop_database`] removes it.
-#[derive(Debug)]
-pub struct BenchDb {
-    /// How to connect to it.
-    pub config: Config,
-    admin: Config,
-    name: String,
-}
-
-impl BenchDb {
-    /// A new connection to this database (its connection task runs on the runtime).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Database`] when it cannot connect.
-    pub async fn connect(&self) -> Result<Client> {
-        connect(&self.config).await
-    }
-
-    /// A libpq `key=value` connection string for this database.
-    pub fn conninfo(&self) -> String {
-        conninfo(&self.config)
-    }
-
-    /// Drops the database (disconnecting whoever is still connected).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Database`] when the statement fails.
-    pub async fn drop_database(self) -> Result<()> {
-        let admin = connect(&self.admin).await?;
-        admin
-            .batch_execute(&format!(
-                "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
-                self.name
-            ))
-            .await?;
-        Ok(())
-    }
-}
-
-/// Connects with `config` and spawns the connection's task.
-///
-/// # Errors
-///
-/// [`Error::Database`] when it cannot connect.
-pub async fn connect(config: &Config) -> Result<Client> {
-    let (client, connection) = config.connect(NoTls).await?;
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    Ok(client)
-}
-
-/// A libpq `key=value` string for `config`: hosts, ports, user, password, database.
-fn conninfo(config: &Config) -> String {
-    fn quote(v: &str) -> String {
-        format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
-    }
-    let mut s = String::new();
-    let hosts: Vec<String> = config
-        .get_hosts()
-        .iter()
-        .map(|h| match h {
-            tokio_postgres::config::Host::Tcp(name) => name.clone(),
-            tokio_postgres::config::Host::Unix(path) => path.to_string_lossy().into_owned(),
-        })
-        .collect();
-    if !hosts.is_empty() {
-        let _ = write!(s, "host={} ", quote(&hosts.join(",")));
-    }
-    let ports: Vec<String> = config.get_ports().iter().map(u16::to_string).collect();
-    if !ports.is_empty() {
-        let _ = write!(s, "port={} ", ports.join(","));
-    }
-    if let Some(user) = config.get_user() {
-        let _ = write!(s, "user={} ", quote(user));
-    }
-    if let Some(password) = config.get_password() {
-        let _ = write!(s, "password={} ", quote(&String::from_utf8_lossy(password)));
-    }
-    if let Some(db) = config.get_dbname() {
-        let _ = write!(s, "dbname={}", quote(db));
-    }
-    s.trim_end().to_string()
-}
-
 /// The machine: cores, memory, CPU model and load at start, as a JSON object.
-pub fn machine() -> Value {
+pub(crate) fn machine() -> Value {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let mem_kb = meminfo
@@ -558,17 +377,17 @@ fn describe(machine: &Value, settings: &Value) -> String {
 }
 
 /// A latency histogram in microseconds, from 1 µs to 10 minutes.
-pub fn histogram() -> hdrhistogram::Histogram<u64> {
+pub(crate) fn histogram() -> hdrhistogram::Histogram<u64> {
     hdrhistogram::Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
 }
 
 /// Records `d` in `h` (in microseconds, clamped to the histogram's range).
-pub fn record(h: &mut hdrhistogram::Histogram<u64>, d: Duration) {
+pub(crate) fn record(h: &mut hdrhistogram::Histogram<u64>, d: Duration) {
     h.saturating_record((d.as_micros() as u64).max(1));
 }
 
 /// p50, p90, p99 and max of `h`, in milliseconds.
-pub fn percentiles(h: &hdrhistogram::Histogram<u64>) -> [f64; 4] {
+pub(crate) fn percentiles(h: &hdrhistogram::Histogram<u64>) -> [f64; 4] {
     let ms = |us: u64| us as f64 / 1000.0;
     [
         ms(h.value_at_quantile(0.50)),
@@ -579,10 +398,10 @@ pub fn percentiles(h: &hdrhistogram::Histogram<u64>) -> [f64; 4] {
 }
 
 /// The names of [`percentiles`]' figures in JSON.
-pub const PERCENTILE_FIELDS: [&str; 4] = ["p50_ms", "p90_ms", "p99_ms", "max_ms"];
+pub(crate) const PERCENTILE_FIELDS: [&str; 4] = ["p50_ms", "p90_ms", "p99_ms", "max_ms"];
 
 /// The median of `values` (the mean of the middle two for an even count).
-pub fn median(values: &[f64]) -> f64 {
+pub(crate) fn median(values: &[f64]) -> f64 {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
     if v.is_empty() {
         return f64::NAN;
@@ -715,78 +534,6 @@ async fn wait_until(deadline: Duration, mut done: impl FnMut() -> bool) -> bool 
     true
 }
 
-/// Registers subscription `name` for `patterns` and seeds `events` pending events named
-/// `event_name` with plain SQL (in chunks, so each statement stays small), then vacuums
-/// and analyzes the tables so the planner knows their size, and checkpoints (where
-/// allowed) so the seeding's dirty pages are not written during the measurement.
-///
-/// # Errors
-///
-/// [`Error::Database`] when a statement fails.
-pub async fn seed_backlog(
-    client: &Client,
-    subscriptions: &[String],
-    event_name: &str,
-    events: u64,
-) -> Result<()> {
-    seed_keyed_backlog(client, subscriptions, event_name, events, 0).await
-}
-
-/// [`seed_backlog`] for ordered subscriptions: with `keys` > 0 the subscriptions are
-/// ordered and the events spread round-robin over that many ordering keys.
-///
-/// # Errors
-///
-/// As [`seed_backlog`].
-pub async fn seed_keyed_backlog(
-    client: &Client,
-    subscriptions: &[String],
-    event_name: &str,
-    events: u64,
-    keys: u64,
-) -> Result<()> {
-    for name in subscriptions {
-        crate::admin::register_subscription(client, name, &[event_name], 25).await?;
-        crate::ordering::set_ordering(
-            client,
-            name,
-            keys > 0,
-            crate::ordering::DeadHeadPolicy::Block,
-        )
-        .await?;
-    }
-    let keys = keys as i64;
-    let chunk = 100_000u64;
-    let mut from = 1u64;
-    while from <= events {
-        let to = (from + chunk - 1).min(events);
-        client
-            .execute(
-                "INSERT INTO pgbus.events (event_name, payload, ordering_key) \
-                 SELECT $1, jsonb_build_object('i', g, 'kind', 'bench'), \
-                        CASE WHEN $4::int8 > 0 THEN 'k' || (g % $4::int8) END \
-                 FROM generate_series($2::int8, $3::int8) AS g",
-                &[&event_name, &(from as i64), &(to as i64), &keys],
-            )
-            .await?;
-        from = to + 1;
-    }
-    settle_tables(client).await
-}
-
-/// Vacuums and analyzes the pgbus tables, then checkpoints where allowed.
-async fn settle_tables(client: &Client) -> Result<()> {
-    client
-        .batch_execute("VACUUM (ANALYZE) pgbus.deliveries")
-        .await?;
-    client
-        .batch_execute("VACUUM (ANALYZE) pgbus.events")
-        .await?;
-    // CHECKPOINT needs superuser or pg_checkpoint; without it the figures are noisier.
-    let _ = client.batch_execute("CHECKPOINT").await;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -805,17 +552,6 @@ mod tests {
         assert_eq!(args.knobs.batch, [1, 10, 100, 1000]);
         assert_eq!(args.knobs.publishers, [1, 4, 16, 64]);
         assert_eq!(args.knobs.rate, [1000, 5000]);
-    }
-
-    #[test]
-    fn conninfo_quotes_values() {
-        let config: Config = "host=/tmp/x port=5433 user=postgres dbname=a'b"
-            .parse()
-            .unwrap();
-        assert_eq!(
-            conninfo(&config),
-            "host='/tmp/x' port=5433 user='postgres' dbname='a\\'b'"
-        );
     }
 
     #[test]

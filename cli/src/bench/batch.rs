@@ -7,28 +7,18 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tokio_postgres::Client;
-use tokio_postgres::binary_copy::BinaryCopyInWriter;
-use tokio_postgres::types::ToSql;
 
-use super::{BenchArgs, Report, Runs, Server, histogram, record};
-use crate::error::Result;
-use crate::event::DEFAULT_MAX_PAYLOAD_BYTES;
-use crate::publish::{COLUMNS, INSERT_HEAD, INSERT_TAIL, ONE_TYPES};
-use crate::{Event, publish_batch};
+use pgbus::{Event, Result, publish_batch};
+
+use super::{
+    BenchArgs, Report, Runs, Server, histogram, prepare_copy, publish_by_copy, record,
+    sample_events,
+};
 
 /// Default seconds per size and method.
 const DEFAULT_SECONDS: f64 = 2.0;
 /// The fewest calls timed per size and method.
 const MIN_CALLS: usize = 5;
-
-/// The COPY target: `publish`'s columns and parameter types, one temporary table per
-/// connection.
-const COPY_TABLE: &str = "CREATE TEMP TABLE pgbus_copy (\
-    id text, event_name text, event_version int4, source text, aggregate_type text, \
-    aggregate_id text, correlation_id text, causation_id text, occurred_at timestamptz, \
-    payload text, headers text, deliver_at timestamptz, delay_ms int8, ordering_key text) \
-    ON COMMIT DELETE ROWS";
-const COPY_IN: &str = "COPY pgbus_copy FROM STDIN (FORMAT binary)";
 
 /// How a call publishes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,73 +41,6 @@ impl Method {
     }
 }
 
-/// `publish_batch`'s statement over the COPY target instead of `unnest`.
-fn copy_insert_sql() -> String {
-    format!("{INSERT_HEAD}pgbus_copy AS {COLUMNS}{INSERT_TAIL}")
-}
-
-/// Creates the COPY target on `client` (once per connection).
-///
-/// # Errors
-///
-/// [`crate::Error::Database`] when the statement fails.
-pub async fn prepare_copy(client: &Client) -> Result<()> {
-    client.batch_execute(COPY_TABLE).await?;
-    Ok(())
-}
-
-/// Publishes `events` by binary COPY into the temporary table made by [`prepare_copy`]
-/// and one `INSERT ... SELECT` with `publish_batch`'s conflict handling. Returns how
-/// many were inserted.
-///
-/// # Errors
-///
-/// As [`publish_batch`].
-pub async fn publish_by_copy(
-    tx: &tokio_postgres::Transaction<'_>,
-    events: &[Event],
-) -> Result<i64> {
-    let sink = tx.copy_in(COPY_IN).await?;
-    let writer = BinaryCopyInWriter::new(sink, &ONE_TYPES);
-    tokio::pin!(writer);
-    for e in events {
-        let enc = e.encode(DEFAULT_MAX_PAYLOAD_BYTES)?;
-        let row: [&(dyn ToSql + Sync); 14] = [
-            &e.id,
-            &e.name,
-            &e.version,
-            &e.source,
-            &e.aggregate_type,
-            &e.aggregate_id,
-            &e.correlation_id,
-            &e.causation_id,
-            &e.occurred_at,
-            &enc.payload,
-            &enc.headers,
-            &e.deliver_at,
-            &enc.delay_ms,
-            &e.ordering_key,
-        ];
-        writer.as_mut().write(&row).await?;
-    }
-    writer.finish().await?;
-    let row = tx.query_one(&copy_insert_sql(), &[]).await?;
-    Ok(row.try_get(0)?)
-}
-
-/// Events like the other workloads publish.
-pub fn sample_events(n: usize, from: u64) -> Vec<Event> {
-    (from..from + n as u64)
-        .map(|k| {
-            Event::new(
-                "bench.batch",
-                json!({"order_id": k, "amount": 4200, "currency": "EUR", "lines": 3}),
-            )
-            .aggregate("order", k.to_string())
-        })
-        .collect()
-}
-
 /// Publishes one batch of `events` in its own transaction by `method`; returns the
 /// time of the call alone and of the whole transaction.
 pub(crate) async fn one_call(
@@ -130,7 +53,7 @@ pub(crate) async fn one_call(
     let call = Instant::now();
     match method {
         Method::Publish => {
-            crate::publish(&tx, &events[0]).await?;
+            pgbus::publish(&tx, &events[0]).await?;
         }
         Method::Unnest => {
             publish_batch(&tx, events).await?;
@@ -156,7 +79,7 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
         let db = server.fresh_database("batch").await?;
         let result = async {
             let mut client = db.connect().await?;
-            crate::admin::register_subscription(&client, "bench-batch", &["bench.*"], 25).await?;
+            pgbus::admin::register_subscription(&client, "bench-batch", &["bench.*"], 25).await?;
             prepare_copy(&client).await?;
             let mut next = 0u64;
             for &(method, size) in &cells {
@@ -200,7 +123,7 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
                     (calls * size) as f64 / busy.as_secs_f64(),
                 );
             }
-            Ok::<_, crate::Error>(())
+            Ok::<_, pgbus::Error>(())
         }
         .await;
         db.drop_database().await?;

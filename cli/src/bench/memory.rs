@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::{BenchArgs, Report, Runs, Server, seed_backlog};
-use crate::error::{Error, Result};
+use pgbus::{Error, Result};
 
 const DEFAULT_BACKLOGS: [u64; 2] = [20_000, 1_000_000];
 const SUBSCRIPTION: &str = "bench-memory";
@@ -58,10 +58,10 @@ async fn consume(config: tokio_postgres::Config, backlog: u64, args: &BenchArgs)
 /// The child side of `pgbus bench memory`: drains `--backlog` deliveries of
 /// `bench-memory` in `database_url` and prints its figures as one JSON line.
 pub(super) async fn run_child(args: &BenchArgs, database_url: Option<&str>) -> Result<()> {
-    let url = database_url.ok_or_else(|| Error::invalid("database url", "not given"))?;
+    let url = database_url.ok_or_else(|| super::invalid("database url", "not given"))?;
     let config: tokio_postgres::Config = url
         .parse()
-        .map_err(|e| Error::invalid("database url", format!("{e}")))?;
+        .map_err(|e| super::invalid("database url", format!("{e}")))?;
     let backlog = args
         .knobs
         .backlog
@@ -105,16 +105,16 @@ async fn once(server: &Server, backlog: u64, args: &BenchArgs) -> Result<(Value,
                     .kill_on_drop(true)
                     .output()
                     .await
-                    .map_err(|e| Error::invalid("memory child", e.to_string()))?;
+                    .map_err(|e| super::invalid("memory child", e.to_string()))?;
                 if !output.status.success() {
-                    return Err(Error::invalid(
+                    return Err(super::invalid(
                         "memory child",
                         String::from_utf8_lossy(&output.stderr).into_owned(),
                     ));
                 }
                 let line = String::from_utf8_lossy(&output.stdout);
                 let value: Value = serde_json::from_str(line.trim())
-                    .map_err(|e| Error::invalid("memory child output", e.to_string()))?;
+                    .map_err(|e| super::invalid("memory child output", e.to_string()))?;
                 Ok((value, true))
             }
             None => Ok((consume(db.config.clone(), backlog, args).await?, false)),

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use pgbus::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use pgbus::{Bus, Event, HandlerError, RetryPolicy, SubscriptionOptions};
+use pgbus_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 

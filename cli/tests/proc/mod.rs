@@ -1,7 +1,7 @@
 //! Running the `pgbus` binary in tests: one-shot commands with a deadline, and
 //! long-running `pgbus consume` processes that are killed when dropped.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unused_imports, unreachable_pub)]
 
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -13,8 +13,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 
 use crate::common;
-
-pub const WAIT: Duration = Duration::from_secs(30);
+pub use crate::common::{WAIT, count, wait_count, wait_settled};
 
 /// The `pgbus` binary, with no DATABASE_URL from the environment.
 pub fn pgbus() -> Command {
@@ -79,22 +78,6 @@ pub async fn run_with(mut cmd: Command, args: &[&str], input: Option<&str>) -> O
 
 pub async fn run(cmd: Command, args: &[&str]) -> Output {
     run_with(cmd, args, None).await
-}
-
-pub async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
-}
-
-pub async fn wait_count(client: &tokio_postgres::Client, what: &str, sql: &str, expected: i64) {
-    common::wait_for(what, WAIT, || async {
-        count(client, sql).await == expected
-    })
-    .await;
-}
-
-/// Waits until no delivery is left: every one was acked.
-pub async fn wait_settled(client: &tokio_postgres::Client, what: &str) {
-    wait_count(client, what, "SELECT count(*) FROM pgbus.deliveries", 0).await;
 }
 
 /// A running `pgbus consume`. Dropping it kills the process.

@@ -12,8 +12,8 @@ use serde_json::json;
 use tokio_postgres::{AsyncMessage, NoTls};
 
 use super::{BenchArgs, BenchDb, Report, Runs, Server, histogram, record, wait_until};
-use crate::Event;
-use crate::error::{Error, Result};
+use pgbus::Event;
+use pgbus::{Error, Result};
 
 /// Events published before the measured ones (connections, prepared statements, caches).
 const WARMUP: usize = 20;
@@ -176,7 +176,7 @@ async fn once(db: &BenchDb, args: &BenchArgs, poll_only: bool) -> Result<(Hist, 
         let event = Event::new("bench.latency", p).aggregate("order", i.to_string());
         let began = Instant::now();
         let tx = client.transaction().await?;
-        crate::publish(&tx, &event).await?;
+        pgbus::publish(&tx, &event).await?;
         tx.commit().await?;
         let now = Instant::now();
         commits.mark(i, now);

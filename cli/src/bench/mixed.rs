@@ -9,8 +9,8 @@ use serde_json::json;
 
 use super::latency::{Stamps, index_of, latencies};
 use super::{BenchArgs, Report, Runs, Server, wait_until};
-use crate::Event;
-use crate::error::{Error, Result};
+use pgbus::Event;
+use pgbus::{Error, Result};
 
 /// Default seconds of offered load per rate.
 const DEFAULT_SECONDS: f64 = 5.0;
@@ -124,7 +124,7 @@ async fn once(server: &Server, rate: u64, seconds: f64, args: &BenchArgs) -> Res
                     )
                     .aggregate("order", i.to_string());
                     let tx = client.transaction().await?;
-                    crate::publish(&tx, &event).await?;
+                    pgbus::publish(&tx, &event).await?;
                     tx.commit().await?;
                     commits.mark(i, Instant::now());
                     i += producers;
