@@ -48,7 +48,8 @@ pub(crate) fn pool(config: &tokio_postgres::Config, session: &Session) -> Result
         .create_timeout(Some(Duration::from_secs(10)))
         .recycle_timeout(Some(Duration::from_secs(5)))
         .build()
-        .map_err(|e| Error::invalid("pool", e.to_string()))
+        // Fails only without a runtime for its timeouts, which is set above.
+        .map_err(|_| Error::Unexpected("the bus's connection pool could not be built"))
 }
 
 /// Runs `work` (statements on `client`) unless `stop` fires first; then the statement in
