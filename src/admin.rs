@@ -483,10 +483,10 @@ pub async fn status_of<C: Executor + ?Sized>(
     let row = client.query_one(sql::STATUS_CLUSTER, &[]).await?;
     Ok(Status {
         subscriptions,
-        notification_queue_usage: row.try_get(0)?,
-        listeners: row.try_get(1)?,
-        consumers: row.try_get(2)?,
-        sleeping_consumers: row.try_get(3)?,
+        notification_queue_usage: row.try_get("notification_queue_usage")?,
+        listeners: row.try_get("listeners")?,
+        consumers: row.try_get("consumers")?,
+        sleeping_consumers: row.try_get("sleeping_consumers")?,
     })
 }
 
@@ -516,21 +516,21 @@ async fn subscription_statuses<C: GenericClient>(
     rows.iter()
         .map(|row| {
             Ok(SubscriptionStatus {
-                name: row.try_get(0)?,
-                patterns: row.try_get(1)?,
-                max_attempts: row.try_get(2)?,
-                pending: row.try_get(3)?,
-                due: row.try_get(4)?,
-                processing: row.try_get(5)?,
-                dead: row.try_get(6)?,
-                blocked_keys: row.try_get(10)?,
+                name: row.try_get("name")?,
+                patterns: row.try_get("patterns")?,
+                max_attempts: row.try_get("max_attempts")?,
+                pending: row.try_get("pending")?,
+                due: row.try_get("due")?,
+                processing: row.try_get("processing")?,
+                dead: row.try_get("dead")?,
+                blocked_keys: row.try_get("blocked_keys")?,
                 // An infinite age (a row written with available_at = -infinity before
                 // the schema refused it) reads as the longest duration there is.
                 oldest_due_age: row
-                    .try_get::<_, Option<f64>>(7)?
+                    .try_get::<_, Option<f64>>("oldest_due_age")?
                     .map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)),
-                done_last_minute: row.try_get(8)?,
-                consumers: row.try_get(9)?,
+                done_last_minute: row.try_get("done_last_minute")?,
+                consumers: row.try_get("consumers")?,
             })
         })
         .collect()
@@ -546,7 +546,7 @@ pub async fn require_subscription<C: Executor + ?Sized>(client: &C, name: &str) 
         .client()
         .query_one(sql::SUBSCRIPTION_EXISTS, &[&name])
         .await?
-        .try_get(0)?;
+        .try_get("exists")?;
     if exists {
         Ok(())
     } else {
@@ -705,13 +705,13 @@ pub async fn dead_letters_after<C: Executor + ?Sized>(
     rows.iter()
         .map(|row| {
             Ok(DeadLetter {
-                subscription: row.try_get(0)?,
-                event_seq: row.try_get(1)?,
-                event_id: row.try_get(2)?,
-                event_name: row.try_get(3)?,
-                attempts: row.try_get(4)?,
-                last_error: row.try_get(5)?,
-                failed_at: row.try_get(6)?,
+                subscription: row.try_get("subscription")?,
+                event_seq: row.try_get("event_seq")?,
+                event_id: row.try_get("event_id")?,
+                event_name: row.try_get("event_name")?,
+                attempts: row.try_get("attempts")?,
+                last_error: row.try_get("last_error")?,
+                failed_at: row.try_get("failed_at")?,
             })
         })
         .collect()
@@ -755,7 +755,7 @@ pub async fn count_dead_letters_after<C: Executor + ?Sized>(
             ],
         )
         .await?;
-    Ok(row.try_get(0)?)
+    Ok(row.try_get("dead_letters")?)
 }
 
 /// Puts dead letters back to pending, due now, with their attempts reset to 0; their
@@ -779,15 +779,15 @@ pub async fn retry_dead_letters<C: Executor + ?Sized>(
         .await?;
     // Skipped dead letters of ordered subscriptions come back behind their key's head;
     // a key that has none gets one (a statement of its own: it must see the retry).
-    let subs: Option<Vec<String>> = row.try_get(2)?;
-    let keys: Option<Vec<String>> = row.try_get(3)?;
+    let subs: Option<Vec<String>> = row.try_get("subscriptions")?;
+    let keys: Option<Vec<String>> = row.try_get("keys")?;
     if let (Some(subs), Some(keys)) = (subs, keys) {
         client
             .client()
             .query(sql::ENSURE_HEADS, &[&subs, &keys])
             .await?;
     }
-    Ok(row.try_get::<_, i64>(0)? as u64)
+    Ok(row.try_get::<_, i64>("retried")? as u64)
 }
 
 /// What [`purge_dead_letters`] deleted.
@@ -816,8 +816,8 @@ pub async fn purge_dead_letters<C: Executor + ?Sized>(
         .query_one(sql::DEAD_PURGE, &[&filter.subscription, &filter.event_id])
         .await?;
     Ok(Purged {
-        dead_letters: row.try_get::<_, i64>(0)? as u64,
-        failures: row.try_get::<_, i64>(1)? as u64,
+        dead_letters: row.try_get::<_, i64>("purged")? as u64,
+        failures: row.try_get::<_, i64>("failures")? as u64,
     })
 }
 
@@ -867,14 +867,14 @@ pub async fn replay<C: Executor + ?Sized>(
         .client()
         .query_one(sql::REPLAY, &[&subscription, &since, &until, &pattern])
         .await?;
-    if !row.try_get::<_, bool>(0)? {
+    if !row.try_get::<_, bool>("found")? {
         return Err(Error::UnknownSubscription {
             name: subscription.to_string(),
         });
     }
     Ok(Replayed {
-        matched: row.try_get::<_, i64>(1)? as u64,
-        created: row.try_get::<_, i64>(2)? as u64,
+        matched: row.try_get::<_, i64>("matched")? as u64,
+        created: row.try_get::<_, i64>("created")? as u64,
     })
 }
 
@@ -907,12 +907,12 @@ pub async fn subscriptions<C: Executor + ?Sized>(client: &C) -> Result<Vec<Subsc
     rows.iter()
         .map(|row| {
             Ok(SubscriptionInfo {
-                name: row.try_get(0)?,
-                patterns: row.try_get(1)?,
-                max_attempts: row.try_get(2)?,
-                created_at: row.try_get(3)?,
-                updated_at: row.try_get(4)?,
-                consumers: row.try_get(5)?,
+                name: row.try_get("name")?,
+                patterns: row.try_get("patterns")?,
+                max_attempts: row.try_get("max_attempts")?,
+                created_at: row.try_get("created_at")?,
+                updated_at: row.try_get("updated_at")?,
+                consumers: row.try_get("consumers")?,
             })
         })
         .collect()
@@ -951,20 +951,20 @@ pub async fn drop_subscription<C: Executor + ?Sized>(
         .client()
         .query_one(sql::SUBSCRIPTION_DROP, &[&name, &force])
         .await?;
-    if !row.try_get::<_, bool>(0)? {
+    if !row.try_get::<_, bool>("known")? {
         return Err(Error::UnknownSubscription {
             name: name.to_string(),
         });
     }
-    if !row.try_get::<_, bool>(2)? {
+    if !row.try_get::<_, bool>("dropped")? {
         return Err(Error::SubscriptionBusy {
             name: name.to_string(),
-            processing: row.try_get(1)?,
+            processing: row.try_get("processing")?,
         });
     }
     Ok(Dropped {
-        deliveries: row.try_get::<_, i64>(3)? as u64,
-        failures: row.try_get::<_, i64>(4)? as u64,
+        deliveries: row.try_get::<_, i64>("deliveries")? as u64,
+        failures: row.try_get::<_, i64>("failures")? as u64,
     })
 }
 
@@ -1014,9 +1014,9 @@ pub async fn sweep_batch<C: Executor + ?Sized>(
         .query_one(sql::SWEEP, &[&retention_ms, &batch, &SWEEP_LOCK_KEY])
         .await?;
     Ok(Swept {
-        busy: !row.try_get::<_, bool>(0)?,
-        events: row.try_get::<_, i64>(1)? as u64,
-        failures: row.try_get::<_, i64>(2)? as u64,
+        busy: !row.try_get::<_, bool>("got")?,
+        events: row.try_get::<_, i64>("events")? as u64,
+        failures: row.try_get::<_, i64>("failures")? as u64,
         batches: 1,
     })
 }

@@ -81,13 +81,13 @@ pub async fn blocked_keys<C: Executor + ?Sized>(
     rows.iter()
         .map(|r| {
             Ok(BlockedKey {
-                subscription: r.try_get(0)?,
-                key: r.try_get(1)?,
-                event_id: r.try_get(2)?,
-                event_name: r.try_get(3)?,
-                attempts: r.try_get(4)?,
-                last_error: r.try_get(5)?,
-                waiting: r.try_get(6)?,
+                subscription: r.try_get("subscription")?,
+                key: r.try_get("key")?,
+                event_id: r.try_get("event_id")?,
+                event_name: r.try_get("event_name")?,
+                attempts: r.try_get("attempts")?,
+                last_error: r.try_get("last_error")?,
+                waiting: r.try_get("waiting")?,
             })
         })
         .collect()
@@ -111,7 +111,11 @@ pub async fn redrive_head<C: Executor + ?Sized>(
         .client()
         .query_typed(sql::REDRIVE_HEAD, &params)
         .await?;
-    Ok(rows.first().map(|r| r.get::<_, i64>(0)).unwrap_or(0) > 0)
+    let redriven = match rows.first() {
+        Some(row) => row.try_get::<_, i64>("redriven")?,
+        None => 0,
+    };
+    Ok(redriven > 0)
 }
 
 /// Skips a key's dead head: it stays a dead letter (listed, replayable), and the key's

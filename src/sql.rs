@@ -24,10 +24,10 @@
 /// sizes are the stored ones (compressed, read from the TOAST pointer without detoasting),
 /// looked up by primary key once per picked row. Rows picked but not kept stay pending.
 ///
-/// Always returns at least one row: column 0 is the seconds until the next delivery of
-/// these subscriptions becomes due (NULL if none is scheduled); the last column says
-/// whether the budget left due deliveries behind (claim again at once); the others are
-/// the claimed delivery (NULL when nothing was claimed).
+/// Always returns at least one row: `secs`, the seconds until the next delivery of these
+/// subscriptions becomes due (NULL if none is scheduled); `cut`, whether the budget left
+/// due deliveries behind (claim again at once); the others are the claimed delivery
+/// (NULL when nothing was claimed).
 ///
 /// A delivery whose `available_at` is `infinity` (written by SQL) is never due, and is not
 /// a next due time either: `infinity - now()` is an error before PostgreSQL 17, which would
@@ -155,12 +155,12 @@ WHERE d.subscription = t.subscription AND d.event_seq = t.event_seq
 /// that dies is skipped and its key's next delivery promoted (`pgbus.reap` in
 /// `sql/0004_ordered.sql`).
 ///
-/// Returns one row: reaped back to pending, reaped to dead.
+/// Returns one row: `returned` (reaped back to pending), `dead` (reaped to dead).
 pub const REAP: &str = "SELECT returned, dead FROM pgbus.reap($1)";
 
 /// Finds keys of ordered subscriptions with pending deliveries but no head, which must
 /// never happen, and promotes their oldest delivery. Parameter: `$1 int4` the most keys to
-/// repair. Returns one row per repair: subscription, key, event seq.
+/// repair. Returns one row per repair: `subscription`, `ordering_key`, `event_seq`.
 pub const REPAIR: &str =
     "SELECT subscription, ordering_key, event_seq FROM pgbus.promote_orphans($1)";
 
@@ -169,8 +169,8 @@ pub const REPAIR: &str =
 /// `$3 text[]` subscriptions, `$4 text` a description (host, pid), `$5 bool` the awake
 /// flag of a new row (a poll-only bus is always awake: notifying it is useless).
 ///
-/// Returns one row: the bus's subscriptions that no longer exist (dropped by an
-/// operator while it runs), empty when all do.
+/// Returns one row: `missing`, the bus's subscriptions that no longer exist (dropped by
+/// an operator while it runs), empty when all do.
 pub const CONSUMER_HEARTBEAT: &str = "\
 WITH beat AS (
   INSERT INTO pgbus.consumers AS c (id, awake, expires_at, subscriptions, info)
@@ -198,11 +198,11 @@ pub const CONSUMER_REMOVE: &str = "DELETE FROM pgbus.consumers WHERE id = $1";
 
 /// Status of each subscription (or of one: `$1 text`, NULL for all).
 ///
-/// Columns: name, patterns, max_attempts; pending, due now, processing and dead
-/// deliveries; the seconds since the oldest due delivery became due (NULL when none is
-/// due); the events published in the last minute that matched and whose delivery is
-/// finished (completed, or purged); live consumers serving it; keys blocked by a dead
-/// head.
+/// Columns: `name`, `patterns`, `max_attempts`; `pending`, `due` (now), `processing` and
+/// `dead` deliveries; `oldest_due_age`, the seconds since the oldest due delivery became
+/// due (NULL when none is due); `done_last_minute`, the events published in the last
+/// minute that matched and whose delivery is finished (completed, or purged);
+/// `consumers`, live consumers serving it; `blocked_keys`, keys blocked by a dead head.
 ///
 /// Set-based: one pass over the deliveries (of the one subscription, through the primary
 /// key, when `$1` is given) grouped by subscription; one pass over the last minute of the
@@ -248,10 +248,12 @@ live AS (
   GROUP BY t.name
 )
 SELECT s.name, s.patterns, s.max_attempts,
-       coalesce(c.pending, 0), coalesce(c.due, 0), coalesce(c.processing, 0),
-       coalesce(c.dead, 0),
-       (extract(epoch FROM now()) - extract(epoch FROM c.oldest_due))::float8,
-       coalesce(done.n, 0), coalesce(live.n, 0), coalesce(c.blocked, 0)
+       coalesce(c.pending, 0) AS pending, coalesce(c.due, 0) AS due,
+       coalesce(c.processing, 0) AS processing, coalesce(c.dead, 0) AS dead,
+       (extract(epoch FROM now()) - extract(epoch FROM c.oldest_due))::float8
+         AS oldest_due_age,
+       coalesce(done.n, 0) AS done_last_minute, coalesce(live.n, 0) AS consumers,
+       coalesce(c.blocked, 0) AS blocked_keys
 FROM pgbus.subscriptions AS s
 LEFT JOIN counts AS c ON c.subscription = s.name
 LEFT JOIN done ON done.subscription = s.name
@@ -259,33 +261,38 @@ LEFT JOIN live ON live.name = s.name
 WHERE $1::text IS NULL OR s.name = $1
 ORDER BY s.name";
 
-/// Cluster-wide status: the notification queue usage (0 to 1), the backends of this
-/// database named `pgbus listener` in `pg_stat_activity`, live consumers, and how many
-/// of them are asleep (publishers notify them).
+/// Cluster-wide status, one row: `notification_queue_usage` (0 to 1), `listeners` (the
+/// backends of this database named `pgbus listener` in `pg_stat_activity`), `consumers`
+/// (live ones), and `sleeping_consumers` (how many of them are asleep: publishers notify
+/// them).
 pub const STATUS_CLUSTER: &str = "\
-SELECT pg_notification_queue_usage(),
+SELECT pg_notification_queue_usage() AS notification_queue_usage,
        (SELECT count(*) FROM pg_stat_activity
-         WHERE datname = current_database() AND application_name = 'pgbus listener'),
-       (SELECT count(*) FROM pgbus.consumers WHERE expires_at > now()),
-       (SELECT count(*) FROM pgbus.consumers WHERE expires_at > now() AND NOT awake)";
+         WHERE datname = current_database() AND application_name = 'pgbus listener')
+         AS listeners,
+       (SELECT count(*) FROM pgbus.consumers WHERE expires_at > now()) AS consumers,
+       (SELECT count(*) FROM pgbus.consumers WHERE expires_at > now() AND NOT awake)
+         AS sleeping_consumers";
 
-/// Whether a subscription exists. Parameter: `$1 text` name.
+/// Whether a subscription exists. Parameter: `$1 text` name. Returns one row: `exists`.
 pub const SUBSCRIPTION_EXISTS: &str =
-    "SELECT EXISTS (SELECT 1 FROM pgbus.subscriptions WHERE name = $1::text)";
+    "SELECT EXISTS (SELECT 1 FROM pgbus.subscriptions WHERE name = $1::text) AS exists";
 
 /// Dead letters, oldest event first, a page at a time. Parameters: `$1 text`
 /// subscription (NULL: all), `$2 text` event id (NULL: all), `$3 int8` the most rows to
 /// return, `$4 int8` and `$5 text`: only after this (event seq, subscription), the last
 /// row of the previous page (NULL: from the start).
 ///
-/// Columns: subscription, event seq, event id, event name (NULL if the event is gone),
-/// attempts, last error, time of the last failed attempt (from the history).
+/// Columns: `subscription`, `event_seq`, `event_id` and `event_name` (NULL if the event is
+/// gone), `attempts`, `last_error`, `failed_at` (the last failed attempt, from the
+/// history).
 ///
 /// Index-backed and bounded: `deliveries_dead_idx` (one subscription) or
 /// `deliveries_dead_seq_idx` (all) in the listing's order, at most `$3` rows, each
 /// joined by key.
 pub const DEAD_LIST: &str = "\
-SELECT d.subscription, d.event_seq, e.id, e.event_name, d.attempts, d.last_error, f.failed_at
+SELECT d.subscription, d.event_seq, e.id AS event_id, e.event_name, d.attempts, d.last_error,
+       f.failed_at
 FROM pgbus.deliveries AS d
 LEFT JOIN pgbus.events AS e ON e.seq = d.event_seq
 LEFT JOIN LATERAL (
@@ -301,8 +308,9 @@ LIMIT $3::int8";
 
 /// Counts dead letters. Parameters as [`DEAD_LIST`] without the limit: `$1`
 /// subscription, `$2` event id, `$3`, `$4` only after this (event seq, subscription).
+/// Returns one row: `dead_letters`.
 pub const DEAD_COUNT: &str = "\
-SELECT count(*) FROM pgbus.deliveries AS d
+SELECT count(*) AS dead_letters FROM pgbus.deliveries AS d
 WHERE d.status = 'dead'
   AND ($1::text IS NULL OR d.subscription = $1)
   AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
@@ -310,10 +318,10 @@ WHERE d.status = 'dead'
 
 /// Puts dead letters back to pending, due now, with their attempts reset to 0 and no
 /// lease; their failure history is kept. Notifies the listening buses when any was
-/// retried. Parameters `$1`, `$2` as [`DEAD_COUNT`]. Returns one row: how many were retried, how
-/// many notifications it sent (0 or 1), and the subscriptions and keys of retried
-/// deliveries of ordered subscriptions that had been skipped (not heads): their keys may
-/// need a head ([`ENSURE_HEADS`]).
+/// retried. Parameters `$1`, `$2` as [`DEAD_COUNT`]. Returns one row: `retried`, how many
+/// were retried; `woke`, how many notifications it sent (0 or 1); `subscriptions` and
+/// `keys`, of retried deliveries of ordered subscriptions that had been skipped (not
+/// heads), NULL when none: their keys may need a head ([`ENSURE_HEADS`]).
 pub const DEAD_RETRY: &str = "\
 WITH retried AS (
   UPDATE pgbus.deliveries AS d
@@ -327,13 +335,16 @@ WITH retried AS (
 wake AS (
   SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM retried LIMIT 1) AS x
 )
-SELECT (SELECT count(*) FROM retried), (SELECT count(*) FROM wake),
-       (SELECT array_agg(subscription) FROM retried WHERE ordering_key IS NOT NULL AND NOT is_head),
-       (SELECT array_agg(ordering_key) FROM retried WHERE ordering_key IS NOT NULL AND NOT is_head)";
+SELECT (SELECT count(*) FROM retried) AS retried, (SELECT count(*) FROM wake) AS woke,
+       (SELECT array_agg(subscription) FROM retried WHERE ordering_key IS NOT NULL AND NOT is_head)
+         AS subscriptions,
+       (SELECT array_agg(ordering_key) FROM retried WHERE ordering_key IS NOT NULL AND NOT is_head)
+         AS keys";
 
 /// Gives keys of ordered subscriptions a head where they have pending deliveries and none
 /// (after an operator brings skipped dead letters back). Parameters: `$1 text[]`
-/// subscriptions, `$2 text[]` keys. Returns the promoted deliveries.
+/// subscriptions, `$2 text[]` keys. Returns the promoted deliveries: `subscription`,
+/// `ordering_key`, `event_seq`.
 pub const ENSURE_HEADS: &str =
     "SELECT subscription, ordering_key, event_seq FROM pgbus.ensure_heads($1, $2)";
 
@@ -341,7 +352,7 @@ pub const ENSURE_HEADS: &str =
 /// `sql/0005_least_privilege.sql`). Parameters: `$1 text` subscription (NULL: all), `$2
 /// text` event id (NULL: all). A purged dead letter that was its key's head (a blocked
 /// key) hands the head to the key's next delivery in the same transaction. Returns one
-/// row: deliveries deleted, history rows deleted.
+/// row: `purged` (deliveries deleted), `failures` (history rows deleted).
 pub const DEAD_PURGE: &str = "SELECT purged, failures FROM pgbus.purge_dead($1, $2)";
 
 /// Creates deliveries of a subscription for events still in the log (`pgbus.replay` in
@@ -356,16 +367,16 @@ pub const DEAD_PURGE: &str = "SELECT purged, failures FROM pgbus.purge_dead($1, 
 /// ordered subscription each keyed delivery joins its key, behind what the key already
 /// has waiting and in event order, under the key locks and the configuration lock, as
 /// the fan-out does. Notifies the listening buses when anything was created. Returns one
-/// row: whether the subscription exists, events matched, deliveries created,
-/// notifications sent.
+/// row: `found` (whether the subscription exists), `matched` (events matched), `created`
+/// (deliveries created), `woke` (notifications sent).
 pub const REPLAY: &str = "SELECT found, matched, created, woke FROM pgbus.replay($1::text, $2::timestamptz, $3::timestamptz, $4::text)";
 
-/// Every subscription: name, patterns, max_attempts, created_at, updated_at, and the
-/// live consumers serving it.
+/// Every subscription: `name`, `patterns`, `max_attempts`, `created_at`, `updated_at`,
+/// and `consumers`, the live consumers serving it.
 pub const SUBSCRIPTIONS_LIST: &str = "\
 SELECT s.name, s.patterns, s.max_attempts, s.created_at, s.updated_at,
        (SELECT count(*) FROM pgbus.consumers AS k
-         WHERE k.expires_at > now() AND s.name = ANY (k.subscriptions))
+         WHERE k.expires_at > now() AND s.name = ANY (k.subscriptions)) AS consumers
 FROM pgbus.subscriptions AS s
 ORDER BY s.name";
 
@@ -374,9 +385,10 @@ ORDER BY s.name";
 /// the name.
 ///
 /// It also removes deliveries left under the name without a subscription row (a publish
-/// that committed while an earlier drop ran). Returns one row: whether anything was
-/// known under the name, deliveries processing, whether it was dropped, deliveries
-/// deleted, history rows deleted.
+/// that committed while an earlier drop ran). Returns one row: `known` (whether anything
+/// was known under the name), `processing` (deliveries processing), `dropped` (whether
+/// it was dropped), `deliveries` (deliveries deleted), `failures` (history rows
+/// deleted).
 pub const SUBSCRIPTION_DROP: &str = "\
 WITH sub AS (
   SELECT name FROM pgbus.subscriptions WHERE name = $1::text FOR UPDATE
@@ -406,8 +418,9 @@ dropped AS (
   WHERE s.name = $1 AND EXISTS (SELECT 1 FROM go)
   RETURNING 1
 )
-SELECT (SELECT known FROM known), (SELECT n FROM busy), EXISTS (SELECT 1 FROM go),
-       (SELECT count(*) FROM deliveries), (SELECT count(*) FROM failures)";
+SELECT (SELECT known FROM known) AS known, (SELECT n FROM busy) AS processing,
+       EXISTS (SELECT 1 FROM go) AS dropped, (SELECT count(*) FROM deliveries) AS deliveries,
+       (SELECT count(*) FROM failures) AS failures";
 
 /// One batch of the retention sweep (`pgbus.sweep`, an owner-rights function, so that
 /// consumers need no DELETE on the log): deletes events created before `now() - $1 int8`
@@ -416,23 +429,23 @@ SELECT (SELECT known FROM known), (SELECT n FROM busy), EXISTS (SELECT 1 FROM go
 ///
 /// Runs only when it gets the transaction-scoped advisory lock `$3 int8`, so at most one
 /// sweep runs at a time across all processes; the events are taken `FOR UPDATE SKIP
-/// LOCKED`. Returns one row: whether it got the lock, events deleted, history rows
-/// deleted.
+/// LOCKED`. Returns one row: `got` (whether it got the lock), `events` (events deleted),
+/// `failures` (history rows deleted).
 pub const SWEEP: &str = "SELECT got, events, failures FROM pgbus.sweep($1, $2, $3)";
 
-/// A subscription's stored settings. Parameter: `$1 text` name. Columns: patterns,
-/// max_attempts, ordered, on_dead; no row when it does not exist.
+/// A subscription's stored settings. Parameter: `$1 text` name. Columns: `patterns`,
+/// `max_attempts`, `ordered`, `on_dead`; no row when it does not exist.
 pub const SUBSCRIPTION_SETTINGS: &str = "\
 SELECT patterns, max_attempts, ordered, on_dead FROM pgbus.subscriptions WHERE name = $1::text";
 
 /// Creates a subscription unless one of that name exists. Parameters: `$1 text` name,
 /// `$2 text[]` patterns, `$3 int4` max attempts, `$4 bool` ordered, `$5 text` on_dead.
-/// Returns a row when it created it.
+/// Returns a row (`created`) when it created it.
 pub const SUBSCRIPTION_CREATE: &str = "\
 INSERT INTO pgbus.subscriptions (name, patterns, max_attempts, ordered, on_dead)
 VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (name) DO NOTHING
-RETURNING 1";
+RETURNING 1 AS created";
 
 /// Changes a subscription's settings (`pgbus.configure_subscription`): parameters `$1
 /// text` name, then NULL to keep or the new value: `$2 text[]` patterns, `$3 int4` max
@@ -442,17 +455,20 @@ RETURNING 1";
 /// settlement that read the old settings and those after it read the new ones, and
 /// converts the backlog in the same transaction: ordering on gives each key one head (its
 /// oldest waiting delivery); ordering off makes every delivery claimable. Returns one
-/// row: whether the subscription exists, deliveries converted.
+/// row: `found` (whether the subscription exists), `converted` (deliveries converted).
 pub const CONFIGURE_SUBSCRIPTION: &str = "\
 SELECT found, converted FROM pgbus.configure_subscription($1, $2, $3, $4, $5)";
 
 /// Keys of ordered subscriptions whose head is a dead letter, with how many deliveries
-/// wait behind each. Parameter: `$1 text` a subscription, or NULL for all.
+/// wait behind each. Parameter: `$1 text` a subscription, or NULL for all. Columns:
+/// `subscription`, `key`, the dead head's `event_id`, `event_name`, `attempts` and
+/// `last_error`, and `waiting` (deliveries behind it).
 pub const BLOCKED_KEYS: &str = "\
-SELECT h.subscription, h.ordering_key, e.id, e.event_name, h.attempts, h.last_error,
+SELECT h.subscription, h.ordering_key AS key, e.id AS event_id, e.event_name, h.attempts,
+       h.last_error,
        (SELECT count(*) FROM pgbus.deliveries AS w
         WHERE w.subscription = h.subscription AND w.ordering_key = h.ordering_key
-          AND NOT w.is_head AND w.status = 'pending')
+          AND NOT w.is_head AND w.status = 'pending') AS waiting
 FROM pgbus.deliveries AS h
 JOIN pgbus.events AS e ON e.seq = h.event_seq
 WHERE h.status = 'dead' AND h.is_head AND h.ordering_key IS NOT NULL
@@ -461,7 +477,8 @@ ORDER BY h.subscription, h.ordering_key";
 
 /// Makes a key's head due now: a dead head gets its attempts back, a head backing off is
 /// retried at once; notifies the listening buses. Parameters: `$1 text` subscription,
-/// `$2 text` key. Returns one row: heads redriven (0 or 1), notifications sent.
+/// `$2 text` key. Returns one row: `redriven` (heads redriven, 0 or 1), `woke`
+/// (notifications sent).
 pub const REDRIVE_HEAD: &str = "\
 WITH redriven AS (
   UPDATE pgbus.deliveries
@@ -472,14 +489,14 @@ WITH redriven AS (
     AND status IN ('dead', 'pending')
   RETURNING 1
 )
-SELECT count(*),
+SELECT count(*) AS redriven,
        (SELECT count(*) FROM (SELECT pg_notify('pgbus', '')
-                              FROM redriven LIMIT 1) AS woke)
+                              FROM redriven LIMIT 1) AS n) AS woke
 FROM redriven";
 
 /// Skips a key's dead head and promotes the next delivery (`pgbus.skip_dead_head`).
-/// Parameters: `$1 text` subscription, `$2 text` key. Returns a row when there was a dead
-/// head to skip.
+/// Parameters: `$1 text` subscription, `$2 text` key. Returns a row (`skipped`) when
+/// there was a dead head to skip.
 pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
 
 /// The start of publishing's statement ([`publish`](crate::publish()),
@@ -493,8 +510,9 @@ pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
 /// RETURNING; an identical one is left alone and returns nothing (a duplicate).
 pub const PUBLISH_HEAD: &str = "WITH t AS (SELECT * FROM ";
 
-/// The end of publishing's statement (see [`PUBLISH_HEAD`]). Returns one row: how many
-/// events were inserted, and the id of an event that conflicts (NULL when none does).
+/// The end of publishing's statement (see [`PUBLISH_HEAD`]). Returns one row: `inserted`,
+/// how many events were inserted, and `conflict`, the id of an event that conflicts
+/// (NULL when none does).
 pub const PUBLISH_TAIL: &str = "),
 conflict AS (
   SELECT t.id FROM t JOIN pgbus.events AS e ON e.id = t.id

@@ -967,6 +967,30 @@ async fn every_bus_statement_prepares_against_the_schema() {
     }
 }
 
+/// Rows are read by column name, so every result column needs a name of its own: an
+/// unnamed expression (`?column?`) or two columns of one name would be read wrongly or
+/// not at all.
+#[tokio::test]
+async fn every_bus_statement_names_its_columns_once_each() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    for (name, sql) in pgbus_testkit::sql::ALL {
+        let statement = client
+            .prepare(sql)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut seen = std::collections::HashSet::new();
+        for column in statement.columns() {
+            assert_ne!(column.name(), "?column?", "{name}: a column has no name");
+            assert!(
+                seen.insert(column.name()),
+                "{name}: two columns are named {:?}",
+                column.name()
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn the_claim_uses_its_index_whatever_the_backlog() {
     let db = common::test_db().await;
