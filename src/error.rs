@@ -47,6 +47,23 @@ pub enum Error {
         /// The migration's version.
         version: i32,
     },
+    /// The server is a PostgreSQL older than pgbus supports; [`migrate`](crate::migrate)
+    /// refused it before changing anything. Both versions are `server_version_num`
+    /// values, e.g. `120022` for 12.22; the minimum is a major version's first release.
+    #[error(
+        "PostgreSQL {} is not supported: pgbus needs PostgreSQL {} or newer",
+        match *.version {
+            v if v >= 100_000 => format!("{}.{}", v / 10_000, v % 10_000),
+            v => format!("{}.{}.{}", v / 10_000, v / 100 % 100, v % 100),
+        },
+        .minimum / 10_000
+    )]
+    UnsupportedServer {
+        /// The server's `server_version_num`.
+        version: i32,
+        /// The oldest version pgbus supports, as a `server_version_num`.
+        minimum: i32,
+    },
     /// PostgreSQL refused a statement, or the connection failed.
     #[error("database error: {}", describe(.0))]
     Database(#[source] tokio_postgres::Error),

@@ -63,6 +63,34 @@ pub static MIGRATIONS: &[Migration] = &[
     },
 ];
 
+/// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]
+/// refuses an older server. The schema relies on `gen_random_uuid()` in core and on
+/// `autovacuum_vacuum_insert_scale_factor`, both new in PostgreSQL 13.
+pub const MIN_SERVER_VERSION: i32 = 130_000;
+
+/// Checks a server's `server_version_num` (`SHOW server_version_num`, e.g. `150014` for
+/// 15.14) against [`MIN_SERVER_VERSION`].
+///
+/// # Errors
+///
+/// [`Error::UnsupportedServer`] for an older server.
+///
+/// ```
+/// use pgbus::schema::check_server_version;
+///
+/// assert!(check_server_version(180_006).is_ok());
+/// assert!(check_server_version(120_022).is_err());
+/// ```
+pub fn check_server_version(server_version_num: i32) -> Result<()> {
+    if server_version_num < MIN_SERVER_VERSION {
+        return Err(Error::UnsupportedServer {
+            version: server_version_num,
+            minimum: MIN_SERVER_VERSION,
+        });
+    }
+    Ok(())
+}
+
 /// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,
 /// fixed so that every version of pgbus uses the same one).
 const MIGRATE_LOCK_KEY: i64 = 0x7067_6275_735f_6d67; // "pgbus_mg"
@@ -84,11 +112,20 @@ CREATE TABLE IF NOT EXISTS pgbus.schema_migrations (
 ///
 /// # Errors
 ///
-/// [`Error::Invalid`] for a database whose encoding is `SQL_ASCII` (nothing is written),
+/// [`Error::UnsupportedServer`] for a server older than [`MIN_SERVER_VERSION`] and
+/// [`Error::Invalid`] for a database whose encoding is `SQL_ASCII` (nothing is written in
+/// either case),
 /// [`Error::Database`] when a statement fails (the failing migration is rolled back), and
 /// [`Error::MigrationDrift`] when a migration recorded as applied has different content
 /// from the one this binary carries.
 pub async fn migrate(client: &tokio_postgres::Client) -> Result<Vec<Migration>> {
+    // Before anything is written: an older server would fail halfway through the
+    // migrations, with an error that does not say why.
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await?
+        .get(0);
+    check_server_version(version)?;
     // SQL_ASCII stores text bytes unchecked: a row that is not valid UTF-8 could never
     // be sent to pgbus, and every claim of its subscription would fail.
     let encoding: String = client

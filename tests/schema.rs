@@ -135,3 +135,59 @@ async fn migrate_refuses_a_sql_ascii_database() {
         .await
         .unwrap();
 }
+
+/// A server older than the minimum is refused with both versions named; the minimum
+/// itself and newer servers pass.
+#[test]
+fn the_server_version_check_names_both_versions() {
+    use pgbus::schema::{MIN_SERVER_VERSION, check_server_version};
+
+    for ok in [MIN_SERVER_VERSION, 150_014, 180_006, 990_000] {
+        check_server_version(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+    }
+    for old in [MIN_SERVER_VERSION - 1, 120_022, 90_624] {
+        let err = check_server_version(old).unwrap_err();
+        assert!(
+            matches!(err, pgbus::Error::UnsupportedServer { version, minimum }
+                if version == old && minimum == MIN_SERVER_VERSION),
+            "{err:?}"
+        );
+    }
+    let message = |version| check_server_version(version).unwrap_err().to_string();
+    assert_eq!(
+        message(120_022),
+        "PostgreSQL 12.22 is not supported: pgbus needs PostgreSQL 13 or newer"
+    );
+    assert_eq!(
+        message(90_624),
+        "PostgreSQL 9.6.24 is not supported: pgbus needs PostgreSQL 13 or newer"
+    );
+}
+
+/// The server the tests run on passes the check, and `migrate` reads its version.
+/// `PGBUS_TEST_SERVER_MAJOR` (set by `.ci/run` for each of its runs) makes sure the
+/// tests ran on the server meant, not on one left running by an earlier run.
+#[tokio::test]
+async fn migrate_accepts_the_test_server() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .unwrap()
+        .get(0);
+    pgbus::schema::check_server_version(version).unwrap();
+    client
+        .batch_execute("DROP SCHEMA pgbus CASCADE")
+        .await
+        .unwrap();
+    let applied = pgbus::migrate(&client).await.unwrap();
+    assert_eq!(applied.len(), pgbus::schema::MIGRATIONS.len());
+    if let Some(major) = std::env::var("PGBUS_TEST_SERVER_MAJOR")
+        .ok()
+        .filter(|m| !m.is_empty())
+    {
+        let major: i32 = major.parse().expect("PGBUS_TEST_SERVER_MAJOR is a number");
+        assert_eq!(version / 10_000, major, "server_version_num {version}");
+    }
+}

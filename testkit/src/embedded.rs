@@ -250,7 +250,7 @@ fn version_key(name: &str) -> Option<Vec<u32>> {
 
 /// The major version of the binaries in `bin_dir`, from `pg_ctl --version`
 /// (`pg_ctl (PostgreSQL) 15.14 (Debian 15.14-0+deb12u1)` → `15`).
-fn binaries_major_version(bin_dir: &Path) -> Option<String> {
+pub(crate) fn binaries_major_version(bin_dir: &Path) -> Option<String> {
     let out = Command::new(bin_dir.join("pg_ctl"))
         .arg("--version")
         .stdin(Stdio::null())

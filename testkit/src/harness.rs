@@ -11,9 +11,12 @@
 //!
 //! With `DATABASE_URL` set, the databases are made on that server (its user needs
 //! `CREATEDB`). Without it, on one throwaway cluster shared by every test binary of the
-//! run: it lives in `<target>/tmp/pgbus-test-pg/` (the target directory is found from the
-//! test executable's path, `<target>/<profile>/deps/<test>`; the system's temporary
-//! directory when that is not where it runs), listens on a Unix socket only, runs with
+//! run: it lives in `<target>/tmp/pgbus-test-pg-<major>/`, one for each major version of
+//! the server binaries found (see [`find_bin_dir`](crate::embedded::find_bin_dir);
+//! `PG_BIN_DIR` picks them), so that a run on another version never reuses a cluster
+//! still running from the last (the target directory is found from the test executable's
+//! path, `<target>/<profile>/deps/<test>`; the system's temporary directory when that is
+//! not where it runs), listens on a Unix socket only, runs with
 //! `fsync=off`, and a watchdog stops it about ten seconds after the last test process
 //! has ended (it needs `flock`, from util-linux). `KEEP_TEST_DB=1` keeps each test's
 //! database, and the cluster running, for a look after the run (`psql "<the url
@@ -105,23 +108,35 @@ fn target_tmp_dir() -> Option<PathBuf> {
 /// root) cannot reach that or the test does not run from a target directory, under the
 /// system's temporary directory.
 fn shared_base() -> Result<PathBuf, String> {
+    let name = shared_base_name()?;
     let Some(target_tmp) = target_tmp_dir() else {
-        return Ok(std::env::temp_dir().join(format!(
-            "pgbus-test-pg-uid{}",
-            rustix::process::geteuid().as_raw()
-        )));
+        return Ok(
+            std::env::temp_dir().join(format!("{name}-uid{}", rustix::process::geteuid().as_raw()))
+        );
     };
     let target_tmp = target_tmp.as_path();
-    let base = target_tmp.join("pgbus-test-pg");
+    let base = target_tmp.join(&name);
     match embedded::check_directory(&base) {
         Ok(()) => Ok(base),
         Err(embedded::EmbeddedError::Inaccessible { .. }) => {
             let mut hash = Fnv::default();
             hash.write(target_tmp.as_os_str().as_encoded_bytes());
-            Ok(std::env::temp_dir().join(format!("pgbus-test-pg-{:016x}", hash.finish())))
+            Ok(std::env::temp_dir().join(format!("{name}-{:016x}", hash.finish())))
         }
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// `pgbus-test-pg-<major>`, after the major version of the server binaries the cluster
+/// would be started with: a cluster of one version is never attached to by a run meant
+/// for another (say, `PG_BIN_DIR` set to PostgreSQL 18's binaries right after a run on
+/// Debian's 15, whose cluster is still running until its watchdog stops it).
+fn shared_base_name() -> Result<String, String> {
+    let bin_dir = embedded::find_bin_dir().map_err(|e| e.to_string())?;
+    Ok(match embedded::binaries_major_version(&bin_dir) {
+        Some(major) => format!("pgbus-test-pg-{major}"),
+        None => "pgbus-test-pg".to_owned(),
+    })
 }
 
 /// Starts the shared cluster, or finds it running.

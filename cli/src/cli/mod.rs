@@ -29,6 +29,8 @@ impl From<pgbus::Error> for Failure {
     fn from(e: pgbus::Error) -> Self {
         let code = match e {
             pgbus::Error::Invalid { .. } => 2,
+            // Not bad input: the same command works against a newer server.
+            pgbus::Error::UnsupportedServer { .. } => 1,
             _ => 1,
         };
         let mut message = format!("error: {}", with_sources(&e));
