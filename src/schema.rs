@@ -122,16 +122,19 @@ pub async fn migrate(client: &tokio_postgres::Client) -> Result<Vec<Migration>> 
     // Before anything is written: an older server would fail halfway through the
     // migrations, with an error that does not say why.
     let version: i32 = client
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .query_one(
+            "SELECT current_setting('server_version_num')::int AS version",
+            &[],
+        )
         .await?
-        .get(0);
+        .try_get("version")?;
     check_server_version(version)?;
     // SQL_ASCII stores text bytes unchecked: a row that is not valid UTF-8 could never
     // be sent to pgbus, and every claim of its subscription would fail.
     let encoding: String = client
-        .query_one("SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()", &[])
+        .query_one("SELECT pg_encoding_to_char(encoding) AS encoding FROM pg_database WHERE datname = current_database()", &[])
         .await?
-        .get(0);
+        .try_get("encoding")?;
     if encoding == "SQL_ASCII" {
         return Err(Error::Invalid {
             what: "database encoding",
@@ -172,12 +175,12 @@ async fn apply_one(client: &tokio_postgres::Client, migration: &Migration) -> Re
     client.batch_execute(BOOTSTRAP).await?;
     let recorded = client
         .query_opt(
-            "SELECT checksum = md5($2::text) FROM pgbus.schema_migrations WHERE version = $1",
+            "SELECT checksum = md5($2::text) AS same FROM pgbus.schema_migrations WHERE version = $1",
             &[&migration.version, &migration.sql],
         )
         .await?;
     match recorded {
-        Some(row) if row.get::<_, bool>(0) => Ok(false),
+        Some(row) if row.try_get::<_, bool>("same")? => Ok(false),
         Some(_) => Err(Error::MigrationDrift {
             version: migration.version,
         }),
@@ -204,18 +207,21 @@ async fn apply_one(client: &tokio_postgres::Client, migration: &Migration) -> Re
 pub async fn schema_version(client: &tokio_postgres::Client) -> Result<Option<i32>> {
     let exists: bool = client
         .query_one(
-            "SELECT to_regclass('pgbus.schema_migrations') IS NOT NULL",
+            "SELECT to_regclass('pgbus.schema_migrations') IS NOT NULL AS migrated",
             &[],
         )
         .await?
-        .get(0);
+        .try_get("migrated")?;
     if !exists {
         return Ok(None);
     }
     let row = client
-        .query_one("SELECT max(version) FROM pgbus.schema_migrations", &[])
+        .query_one(
+            "SELECT max(version) AS version FROM pgbus.schema_migrations",
+            &[],
+        )
         .await?;
-    Ok(row.get(0))
+    Ok(row.try_get("version")?)
 }
 
 /// The newest migration this binary carries.
