@@ -269,7 +269,7 @@ impl Bus {
         let bus = self.spawn(consumer);
         tracing::info!(
             worker = %bus.parts.consumer.worker,
-            subscriptions = bus.subs.len(),
+            subscriptions = bus.parts.consumer.subscriptions.len(),
             poll_only = bus.opts.poll_only,
             "pgbus started"
         );
@@ -304,7 +304,6 @@ impl Bus {
             spawn(parts.listener(config).run(tokens.background.clone()))
         });
         let (claimer, dispatcher) = parts.delivery(&opts, subs, settler);
-        let subs = claimer.subs.values().cloned().collect();
         let tasks = Tasks {
             dispatcher: Some(spawn(dispatcher.run(claimer.into_stream()))),
             acker: Some(spawn(acker)),
@@ -312,7 +311,6 @@ impl Bus {
             listener,
         };
         RunningBus {
-            subs,
             parts,
             opts,
             streams,
@@ -411,7 +409,6 @@ impl Parts {
             targets,
             concurrency: opts.concurrency,
             shutdown: self.shutdown.clone(),
-            shutdown_timeout: opts.shutdown_timeout,
         };
         (claimer, dispatcher)
     }
@@ -686,7 +683,6 @@ struct Tasks {
 pub struct RunningBus {
     parts: Parts,
     opts: Options,
-    subs: Vec<Arc<Sub>>,
     streams: Vec<StreamRx>,
     tokens: Tokens,
     tasks: Tasks,
@@ -754,13 +750,11 @@ impl RunningBus {
     /// [`Error::Timeout`] if settlements were given up at the deadline; the bus is stopped
     /// regardless.
     pub async fn shutdown(mut self) -> Result<()> {
-        let timeout = self.opts.shutdown_timeout;
-        let deadline = self.parts.shutdown.begin(timeout);
+        let (deadline, handlers_deadline) = self.parts.shutdown.begin(self.opts.shutdown_timeout);
         // Release what the streams have buffered but not handed out, before and after
         // the dispatcher ends: a claim under way when stopping began still hands its
         // deliveries over (the dispatcher releases those it gets for streams then).
         self.release_buffered();
-        let handlers_deadline = self.parts.shutdown.handlers_deadline(timeout);
         if let Some(mut dispatcher) = self.tasks.dispatcher.take() {
             tokio::select! {
                 _ = &mut dispatcher => {}
@@ -791,8 +785,7 @@ impl RunningBus {
     /// Waits, until `until`, for the deliveries the application holds from its
     /// subscription streams to be settled.
     async fn wait_for_streams(&self, until: tokio::time::Instant) {
-        let held = || self.subs.iter().map(|s| s.held()).sum::<usize>();
-        while held() > 0 && tokio::time::Instant::now() < until {
+        while self.parts.slots.taken() > 0 && tokio::time::Instant::now() < until {
             let _ = tokio::time::timeout_at(until, self.parts.slots.freed()).await;
         }
     }

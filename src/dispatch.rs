@@ -47,7 +47,6 @@ pub(crate) struct Dispatcher {
     pub(crate) targets: HashMap<Arc<str>, Target>,
     pub(crate) concurrency: usize,
     pub(crate) shutdown: Arc<Shutdown>,
-    pub(crate) shutdown_timeout: Duration,
 }
 
 impl Dispatcher {
@@ -83,7 +82,7 @@ impl Dispatcher {
                 None => {} // cannot happen: the claimer claims for these names only
             }
         }
-        let deadline = self.shutdown.handlers_deadline(self.shutdown_timeout);
+        let deadline = self.shutdown.handlers_deadline();
         while !tasks.is_empty() {
             match tokio::time::timeout_at(deadline, tasks.join_next()).await {
                 Ok(Some(_)) => {}

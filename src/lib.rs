@@ -87,6 +87,18 @@ pub mod __private {
     pub mod sql {
         pub use crate::sql::*;
     }
+
+    /// An event checked as [`publish`](crate::publish) checks it, with its payload and
+    /// headers as sent (JSON text) and its delay in milliseconds: for the test kit's COPY
+    /// publisher, which must refuse what `publish_batch` refuses.
+    ///
+    /// # Errors
+    ///
+    /// As `publish`, for bad input.
+    pub fn encode(event: &crate::Event) -> crate::Result<(String, String, Option<i64>)> {
+        let encoded = event.encode(crate::DEFAULT_MAX_PAYLOAD_BYTES)?;
+        Ok((encoded.payload, encoded.headers, encoded.delay_ms))
+    }
 }
 
 /// The README's examples, compiled as doc tests.

@@ -10,21 +10,26 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 /// handlers' time is up: a quarter, at most one second.
 const SETTLE_RESERVE: Duration = Duration::from_secs(1);
 
-/// Stopping: a token every task watches, the deadline of the stop once it began, and a
+/// Stopping: a token every task watches, the deadlines of the stop once it began, and a
 /// second token for when the handlers' time is up.
 #[derive(Debug, Default)]
 pub(crate) struct Shutdown {
     token: CancellationToken,
     overdue: CancellationToken,
-    deadline: OnceLock<Instant>,
+    /// The stop's deadline, and the handlers' (the deadline less the reserve).
+    deadlines: OnceLock<(Instant, Instant)>,
 }
 
 impl Shutdown {
-    /// Begins the stop, to end by `timeout` from now (the first call sets the deadline).
-    pub(crate) fn begin(&self, timeout: Duration) -> Instant {
-        let deadline = *self.deadline.get_or_init(|| Instant::now() + timeout);
+    /// Begins the stop, to end by `timeout` from now (the first call sets the deadlines);
+    /// returns the stop's deadline and the handlers'.
+    pub(crate) fn begin(&self, timeout: Duration) -> (Instant, Instant) {
+        let deadlines = *self.deadlines.get_or_init(|| {
+            let deadline = Instant::now() + timeout;
+            (deadline, deadline - (timeout / 4).min(SETTLE_RESERVE))
+        });
         self.token.cancel();
-        deadline
+        deadlines
     }
 
     pub(crate) fn is_stopping(&self) -> bool {
@@ -47,13 +52,10 @@ impl Shutdown {
     }
 
     /// When running handlers must be done: the deadline less the reserve for the last
-    /// settlements. Before the stop began, `timeout` from now.
-    pub(crate) fn handlers_deadline(&self, timeout: Duration) -> Instant {
-        let deadline = self
-            .deadline
+    /// settlements (now, if the stop has not begun).
+    pub(crate) fn handlers_deadline(&self) -> Instant {
+        self.deadlines
             .get()
-            .copied()
-            .unwrap_or_else(|| Instant::now() + timeout);
-        deadline - (timeout / 4).min(SETTLE_RESERVE)
+            .map_or_else(Instant::now, |&(_, handlers)| handlers)
     }
 }

@@ -44,7 +44,7 @@ impl Sub {
     }
 
     /// How many deliveries of this subscription are held now.
-    pub(crate) fn held(&self) -> usize {
+    fn held(&self) -> usize {
         self.held.load(Ordering::Acquire)
     }
 }
@@ -64,6 +64,8 @@ struct Ledger {
 #[derive(Debug)]
 pub(crate) struct Slots {
     capacity: Arc<Semaphore>,
+    /// How many slots there are.
+    size: usize,
     /// Signalled whenever a slot is freed.
     freed: Notify,
     ledger: Mutex<Ledger>,
@@ -73,6 +75,7 @@ impl Slots {
     pub(crate) fn new(capacity: usize) -> Arc<Slots> {
         Arc::new(Slots {
             capacity: Arc::new(Semaphore::new(capacity)),
+            size: capacity,
             freed: Notify::new(),
             ledger: Mutex::default(),
         })
@@ -85,6 +88,11 @@ impl Slots {
     /// Free slots now.
     pub(crate) fn free(&self) -> usize {
         self.capacity.available_permits()
+    }
+
+    /// Slots taken now: deliveries claimed and not yet settled in the database.
+    pub(crate) fn taken(&self) -> usize {
+        self.size - self.free()
     }
 
     /// Bytes of JSON held by unsettled deliveries.
@@ -192,7 +200,7 @@ mod tests {
         let a = slots.take(&sub, 1, 1, 100);
         let b = slots.take(&sub, 2, 1, 50);
         assert_eq!((slots.free(), sub.quota(3), slots.bytes()), (1, 0, 150));
-        assert_eq!(slots.held().len(), 2);
+        assert_eq!((slots.held().len(), slots.taken()), (2, 2));
         drop(a);
         assert_eq!((slots.free(), sub.quota(3), slots.bytes()), (2, 1, 50));
         drop(b);

@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::count;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,10 +18,6 @@ const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(2);
 /// The bound the test holds shutdown to: its timeout, and a second or two to cancel what
 /// is in flight. The statement timeout (30 s) is far above it.
 const BOUND: Duration = Duration::from_secs(5);
-
-async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
-}
 
 /// Waits until some statement of the bus waits for a lock, and the statement text
 /// matches `like`.
