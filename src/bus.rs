@@ -16,7 +16,8 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::backoff::WarnGate;
 use crate::claim::{Claimer, Pacing};
-use crate::conn::{self, Session};
+use crate::conn::{Db, Session};
+use crate::connect::ConnectConfig;
 use crate::delivery::{Delivery, Subscription};
 use crate::dispatch::{Dispatcher, Target};
 use crate::error::{Error, HandlerError, Result};
@@ -102,8 +103,8 @@ struct Registered {
 /// A bus that is configured but not yet running: register in-process subscriptions with
 /// [`Bus::subscribe`], then [`Bus::start`] it.
 pub struct Bus {
-    config: tokio_postgres::Config,
-    listen_config: Option<tokio_postgres::Config>,
+    config: ConnectConfig,
+    listen_config: Option<ConnectConfig>,
     opts: Options,
     subs: Vec<Registered>,
     shutdown: Arc<Shutdown>,
@@ -122,8 +123,8 @@ impl std::fmt::Debug for Bus {
 /// Configures a [`Bus`]. Every setter documents its default; `build` checks the
 /// configuration and does no I/O.
 pub struct BusBuilder {
-    config: tokio_postgres::Config,
-    listen_config: Option<tokio_postgres::Config>,
+    config: ConnectConfig,
+    listen_config: Option<ConnectConfig>,
     opts: Options,
     handlers: Vec<HandlerSpec>,
 }
@@ -141,15 +142,16 @@ impl std::fmt::Debug for BusBuilder {
 }
 
 impl Bus {
-    /// Starts configuring a bus that connects with `config` (e.g.
-    /// `"postgres://app@db/app".parse()?`).
+    /// Starts configuring a bus that connects with `config`: a [`ConnectConfig`]
+    /// (e.g. `"postgres://app@db/app?sslmode=verify-full".parse()?`, which reads the
+    /// `PG*` environment too) or a `tokio_postgres::Config`.
     ///
     /// The bus opens its own small pool for claims, acknowledgements and lease
     /// extensions, so handlers that use the application's pool can never starve it, and
     /// one dedicated connection for LISTEN.
-    pub fn builder(config: tokio_postgres::Config) -> BusBuilder {
+    pub fn builder(config: impl Into<ConnectConfig>) -> BusBuilder {
         BusBuilder {
-            config,
+            config: config.into(),
             listen_config: None,
             opts: Options {
                 poll_interval: DEFAULT_POLL_INTERVAL,
@@ -244,11 +246,11 @@ impl Bus {
             statement_timeout: self.opts.statement_timeout,
             synchronous_commit: self.opts.synchronous_commit,
         };
-        let pool = conn::pool(&self.config, &session)?;
+        let db = Db::new(&self.config, &session)?;
         // Join (or create) the subscriptions: a bus never silently changes a stored
         // subscription that other consumers share.
         {
-            let client = pool.get().await?;
+            let client = db.get().await?;
             for s in &self.subs {
                 crate::admin::join_subscription(
                     &client,
@@ -260,7 +262,7 @@ impl Bus {
             }
         }
         let consumer = Consumer {
-            pool,
+            db,
             worker: Arc::from(uuid::Uuid::now_v7().to_string()),
             subscriptions: self.subs.iter().map(|s| s.sub.name.clone()).collect(),
             poll_only: self.opts.poll_only,
@@ -335,7 +337,7 @@ struct Parts {
 impl Parts {
     fn acker(&self, tokens: &Tokens) -> Acker {
         Acker {
-            pool: self.consumer.pool.clone(),
+            db: self.consumer.db.clone(),
             worker: self.consumer.worker.clone(),
             stats: self.stats.clone(),
             wake: self.wake.clone(),
@@ -361,10 +363,11 @@ impl Parts {
         }
     }
 
-    fn listener(&self, mut config: tokio_postgres::Config) -> Listener {
-        config.application_name("pgbus listener");
-        config.keepalives(true);
-        config.keepalives_idle(Duration::from_secs(30));
+    fn listener(&self, mut config: ConnectConfig) -> Listener {
+        let pg = config.pg_config_mut();
+        pg.application_name("pgbus listener");
+        pg.keepalives(true);
+        pg.keepalives_idle(Duration::from_secs(30));
         Listener {
             config,
             wake: self.wake.clone(),
@@ -389,7 +392,7 @@ impl Parts {
             claim_subs.insert(name, s.sub);
         }
         let claimer = Claimer {
-            pool: self.consumer.pool.clone(),
+            db: self.consumer.db.clone(),
             worker: self.consumer.worker.clone(),
             subs: claim_subs,
             slots: self.slots.clone(),
@@ -481,9 +484,10 @@ impl BusBuilder {
 
     /// LISTENs with a connection of its own configuration (default: the bus's), e.g. a
     /// direct connection while the pool goes through a transaction-mode pooler, which
-    /// cannot carry LISTEN.
-    pub fn listen_config(mut self, config: tokio_postgres::Config) -> Self {
-        self.listen_config = Some(config);
+    /// cannot carry LISTEN. Without one, a bus whose configuration is a pooler
+    /// ([`ConnectConfig::pooler`]) polls, and logs a warning saying so.
+    pub fn listen_config(mut self, config: impl Into<ConnectConfig>) -> Self {
+        self.listen_config = Some(config.into());
         self
     }
 
@@ -627,6 +631,16 @@ impl BusBuilder {
         if o.lease < Duration::from_secs(1) {
             return Err(Error::invalid("lease", "must be at least 1 second"));
         }
+        let mut opts = self.opts.clone();
+        if self.config.is_pooler() && self.listen_config.is_none() && !opts.poll_only {
+            tracing::warn!(
+                poll_interval = ?opts.poll_interval,
+                "pgbus connects through a transaction-mode pooler, which cannot carry LISTEN, \
+                 and has no listen_config: it falls back to polling (give it a direct \
+                 connection to LISTEN on, e.g. `consume --listen-url`)"
+            );
+            opts.poll_only = true;
+        }
         let mut subs: Vec<Registered> = Vec::new();
         for (name, patterns, handler, options) in self.handlers {
             let asked = asked_settings(&name, patterns, &options, o)?;
@@ -650,7 +664,7 @@ impl BusBuilder {
         Ok(Bus {
             config: self.config,
             listen_config: self.listen_config,
-            opts: self.opts,
+            opts,
             subs,
             shutdown: Arc::new(Shutdown::default()),
             streams: Vec::new(),
@@ -777,7 +791,7 @@ impl RunningBus {
             Ok(Err(e)) => tracing::debug!(error = %e, "pgbus could not remove its consumer row"),
             Err(_) => tracing::debug!("pgbus left its consumer row to expire: no time left"),
         }
-        self.parts.consumer.pool.close();
+        self.parts.consumer.db.close();
         tracing::info!(worker = %self.parts.consumer.worker, "pgbus stopped");
         result
     }

@@ -12,7 +12,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
 use futures::Stream;
 use tokio::time::Instant;
 use tokio_postgres::Row;
@@ -20,7 +19,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tracing::Instrument;
 
 use crate::backoff::{self, WarnGate};
-use crate::conn::unless_stopped;
+use crate::conn::Db;
 use crate::decode;
 use crate::delivery::Delivery;
 use crate::error::Result;
@@ -61,7 +60,7 @@ pub(crate) struct Pacing {
 /// The claimer: what it claims with and for, and where it puts what it claimed.
 #[derive(Debug)]
 pub(crate) struct Claimer {
-    pub(crate) pool: Pool,
+    pub(crate) db: Db,
     pub(crate) worker: Arc<str>,
     pub(crate) subs: HashMap<Arc<str>, Arc<Sub>>,
     pub(crate) slots: Arc<Slots>,
@@ -320,16 +319,16 @@ impl Claimer {
     /// Runs `pgbus.mark_asleep`; a bus that begins to stop meanwhile cancels it (its row
     /// is removed at the end of the stop anyway).
     async fn mark_asleep(&self) -> Result<()> {
-        let client = self.pool.get().await?;
+        let client = self.db.get().await?;
         let worker: &str = &self.worker;
         let work = async {
-            let stmt = client
-                .prepare_typed_cached(sql::CONSUMER_SLEEP, &[Type::TEXT])
+            self.db
+                .query(&client, sql::CONSUMER_SLEEP, &[Type::TEXT], &[&worker])
                 .await?;
-            client.execute(&stmt, &[&worker]).await?;
             Ok(())
         };
-        unless_stopped(&client, self.shutdown.token(), work)
+        self.db
+            .unless_stopped(&client, self.shutdown.token(), work)
             .await
             .unwrap_or(Ok(()))
     }
@@ -350,7 +349,7 @@ impl Claimer {
     }
 
     async fn claim_rows(&self, ask: &Ask) -> Result<Vec<Row>> {
-        let client = self.pool.get().await?;
+        let client = self.db.get().await?;
         let names: Vec<&str> = ask.quotas.iter().map(|(n, _)| &**n).collect();
         let limits: Vec<i32> = ask.quotas.iter().map(|(_, q)| *q as i32).collect();
         let total = ask.free as i32;
@@ -365,15 +364,15 @@ impl Claimer {
         let params: [&(dyn ToSql + Sync); 7] = [
             &names, &limits, &total, &lease_ms, &worker, &threshold, &budget,
         ];
-        let work = async {
-            let stmt = client
-                .prepare_typed_cached(sql::CLAIM, &sql::CLAIM_TYPES)
-                .await?;
-            Ok(client.query(&stmt, &params).await?)
-        };
+        let work = self
+            .db
+            .query(&client, sql::CLAIM, &sql::CLAIM_TYPES, &params);
         // Cancelled only once the stop is overdue: a claim that completes while the bus
         // stops hands its deliveries over to be released.
-        let rows = unless_stopped(&client, self.shutdown.overdue(), work).await;
+        let rows = self
+            .db
+            .unless_stopped(&client, self.shutdown.overdue(), work)
+            .await;
         rows.unwrap_or(Ok(Vec::new()))
     }
 

@@ -4,9 +4,17 @@
 use std::future::Future;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use std::sync::Arc;
+
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use tokio::task::JoinHandle;
+use tokio_postgres::Row;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
 
+use crate::connect::ConnectConfig;
 use crate::error::{Error, Result};
 
 /// The session settings of the bus's own connections.
@@ -17,57 +25,176 @@ pub(crate) struct Session {
     pub(crate) synchronous_commit: bool,
 }
 
-/// Builds the bus's pool. No connection is opened yet.
-pub(crate) fn pool(config: &tokio_postgres::Config, session: &Session) -> Result<Pool> {
-    let mut config = config.clone();
-    config.application_name("pgbus worker");
-    let mut options = config.get_options().unwrap_or("").to_string();
-    options.push_str(&format!(
-        " -c statement_timeout={}",
-        session.statement_timeout.as_millis()
-    ));
-    if !session.synchronous_commit {
-        options.push_str(" -c synchronous_commit=off");
+impl Session {
+    /// The settings as `SET` commands: `scope` is `""` for the session, `"LOCAL "` for
+    /// the transaction.
+    fn set(&self, scope: &str) -> String {
+        format!(
+            "SET {scope}statement_timeout = {}; SET {scope}synchronous_commit = {}",
+            self.statement_timeout.as_millis(),
+            if self.synchronous_commit { "on" } else { "off" },
+        )
     }
-    // Settling, reaping and repairs decide heads from the rows the key locks protect,
-    // which only a fresh snapshot per statement shows: whatever the database's default,
-    // the bus's own transactions are READ COMMITTED.
-    options.push_str(r" -c default_transaction_isolation=read\ committed");
-    config.options(options.trim());
-    let manager = Manager::from_config(
-        config,
-        tokio_postgres::NoTls,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        },
-    );
-    Pool::builder(manager)
-        .max_size(session.pool_size)
-        .runtime(Runtime::Tokio1)
-        .wait_timeout(Some(Duration::from_secs(10)))
-        .create_timeout(Some(Duration::from_secs(10)))
-        .recycle_timeout(Some(Duration::from_secs(5)))
-        .build()
-        // Fails only without a runtime for its timeouts, which is set above.
-        .map_err(|_| Error::Unexpected("the bus's connection pool could not be built"))
 }
 
-/// Runs `work` (statements on `client`) unless `stop` fires first; then the statement in
-/// flight is cancelled on the server (it rolls back, at its own boundary) and `None` is
-/// returned. A statement abandoned without a cancel would run on, and might commit, after
-/// the bus said it had stopped.
-pub(crate) async fn unless_stopped<T>(
-    client: &tokio_postgres::Client,
-    stop: &CancellationToken,
-    work: impl Future<Output = Result<T>>,
-) -> Option<Result<T>> {
-    tokio::select! {
-        r = work => Some(r),
-        _ = stop.cancelled() => {
-            if let Err(e) = client.cancel_token().cancel_query(tokio_postgres::NoTls).await {
-                tracing::debug!(error = %e, "pgbus could not cancel a statement");
+/// The bus's connections: its pool, and how its statements run on them.
+///
+/// No setting travels as a startup option (a transaction-mode pooler refuses them). On
+/// a direct connection the settings are set once per connection, and statements are
+/// prepared once per connection and cached. Behind a pooler
+/// ([`ConnectConfig::is_pooler`]) a connection's session is not the bus's: each
+/// statement runs unnamed in a transaction of its own that sets its settings locally,
+/// `BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL ...`, the statement, `COMMIT`, sent
+/// together in one round trip.
+#[derive(Clone)]
+pub(crate) struct Db {
+    pool: Pool,
+    connect: ConnectConfig,
+    /// Behind a pooler: what opens each statement's transaction.
+    begin: Option<Arc<str>>,
+}
+
+impl std::fmt::Debug for Db {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Db")
+            .field("connect", &self.connect)
+            .field("pooler", &self.begin.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Opens the pool's connections: through the configuration's TLS connector, each
+/// driven by a task, a direct one given the bus's session settings at once.
+struct Opener {
+    connect: ConnectConfig,
+    /// On a direct connection: the session's settings.
+    setup: Option<String>,
+}
+
+impl deadpool_postgres::Connect for Opener {
+    fn connect(
+        &self,
+        pg_config: &tokio_postgres::Config,
+    ) -> BoxFuture<
+        '_,
+        std::result::Result<(tokio_postgres::Client, JoinHandle<()>), tokio_postgres::Error>,
+    > {
+        let pg_config = pg_config.clone();
+        async move {
+            let (client, messages) = self.connect.connect_raw(&pg_config).await?;
+            let driver = tokio::spawn(crate::connect::drive(messages));
+            if let Some(setup) = &self.setup {
+                client.batch_execute(setup).await?;
             }
-            None
+            Ok((client, driver))
+        }
+        .boxed()
+    }
+}
+
+impl Db {
+    /// Builds the bus's pool. No connection is opened yet.
+    pub(crate) fn new(connect: &ConnectConfig, session: &Session) -> Result<Db> {
+        let mut connect = connect.clone();
+        connect.pg_config_mut().application_name("pgbus worker");
+        let pooler = connect.is_pooler();
+        // Settling, reaping and repairs decide heads from the rows the key locks
+        // protect, which only a fresh snapshot per statement shows: whatever the
+        // database's default, the bus's own transactions are READ COMMITTED.
+        let isolation = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
+        let opener = Opener {
+            connect: connect.clone(),
+            setup: (!pooler).then(|| format!("{}; {isolation}", session.set(""))),
+        };
+        let manager = Manager::from_connect(
+            connect.pg_config().clone(),
+            opener,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(session.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(Duration::from_secs(10)))
+            .create_timeout(Some(Duration::from_secs(10)))
+            .recycle_timeout(Some(Duration::from_secs(5)))
+            .build()
+            // Fails only without a runtime for its timeouts, which is set above.
+            .map_err(|_| Error::Unexpected("the bus's connection pool could not be built"))?;
+        let begin = pooler.then(|| {
+            format!(
+                "BEGIN ISOLATION LEVEL READ COMMITTED; {}",
+                session.set("LOCAL ")
+            )
+            .into()
+        });
+        Ok(Db {
+            pool,
+            connect,
+            begin,
+        })
+    }
+
+    /// Takes a connection from the pool.
+    pub(crate) async fn get(&self) -> Result<Object> {
+        Ok(self.pool.get().await?)
+    }
+
+    /// Closes the pool.
+    pub(crate) fn close(&self) {
+        self.pool.close();
+    }
+
+    /// Runs one of the bus's statements (its parameters' types given) with the bus's
+    /// settings, and returns its rows.
+    pub(crate) async fn query(
+        &self,
+        client: &Object,
+        sql: &str,
+        types: &[Type],
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>> {
+        let Some(begin) = &self.begin else {
+            let stmt = client.prepare_typed_cached(sql, types).await?;
+            return Ok(client.query(&stmt, params).await?);
+        };
+        let typed: Vec<(&(dyn ToSql + Sync), Type)> = params
+            .iter()
+            .zip(types)
+            .map(|(p, t)| (*p, t.clone()))
+            .collect();
+        // Sent together: the server runs them in order; a failed statement turns the
+        // COMMIT into a rollback.
+        let (begun, rows, committed) = futures::join!(
+            client.batch_execute(begin),
+            client.query_typed(sql, &typed),
+            client.batch_execute("COMMIT"),
+        );
+        begun?;
+        let rows = rows?;
+        committed?;
+        Ok(rows)
+    }
+
+    /// Runs `work` (statements on `client`) unless `stop` fires first; then the
+    /// statement in flight is cancelled on the server (it rolls back, at its own
+    /// boundary) and `None` is returned. A statement abandoned without a cancel would run
+    /// on, and might commit, after the bus said it had stopped.
+    pub(crate) async fn unless_stopped<T>(
+        &self,
+        client: &tokio_postgres::Client,
+        stop: &CancellationToken,
+        work: impl Future<Output = Result<T>>,
+    ) -> Option<Result<T>> {
+        tokio::select! {
+            r = work => Some(r),
+            _ = stop.cancelled() => {
+                if let Err(e) = self.connect.cancel(client).await {
+                    tracing::debug!(error = %e, "pgbus could not cancel a statement");
+                }
+                None
+            }
         }
     }
 }

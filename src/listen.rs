@@ -7,12 +7,11 @@
 //! every (re)connect it wakes the claimer once to catch up on whatever committed in
 //! between, and the claimer's fallback poll timer bounds the wait if even that fails.
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
@@ -59,13 +58,13 @@ impl Wake {
 /// [`RunningBus::is_listening`](crate::RunningBus::is_listening).
 #[derive(Debug)]
 pub(crate) struct Listener {
-    pub(crate) config: tokio_postgres::Config,
+    pub(crate) config: crate::connect::ConnectConfig,
     pub(crate) wake: Arc<Wake>,
     pub(crate) listening: Arc<AtomicBool>,
     pub(crate) stats: Arc<Counters>,
 }
 
-type Messages = Pin<Box<dyn Stream<Item = Result<AsyncMessage, tokio_postgres::Error>> + Send>>;
+use crate::connect::Messages;
 
 impl Listener {
     /// Runs until `stop` is cancelled: connects, LISTENs, wakes the claimer once to catch
@@ -111,13 +110,11 @@ impl Listener {
     /// Connects and LISTENs, reading the connection meanwhile (the query completes only
     /// while it is polled; a notification that arrives first wakes the claimer).
     async fn connect(&self) -> Result<(Client, Messages), String> {
-        let (client, mut connection) =
-            tokio::time::timeout(CONNECT_TIMEOUT, self.config.connect(tokio_postgres::NoTls))
-                .await
-                .map_err(|_| "connect timed out".to_string())?
-                .map_err(|e| e.to_string())?;
-        let mut messages: Messages =
-            futures::stream::poll_fn(move |cx| connection.poll_message(cx)).boxed();
+        let connect = self.config.connect_raw(self.config.pg_config());
+        let (client, mut messages) = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+            .await
+            .map_err(|_| "connect timed out".to_string())?
+            .map_err(|e| e.to_string())?;
         {
             let listen = client.batch_execute("LISTEN pgbus");
             tokio::pin!(listen);

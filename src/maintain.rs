@@ -6,14 +6,14 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::Object;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::WarnGate;
-use crate::conn::unless_stopped;
-use crate::error::Result;
+use crate::conn::Db;
+use crate::error::{Error, Result};
 use crate::listen::Wake;
 use crate::shutdown::Shutdown;
 use crate::slot::Slots;
@@ -35,7 +35,7 @@ const ROWS_PER_DUTY: i32 = 1000;
 /// The bus's row in `pgbus.consumers`.
 #[derive(Debug, Clone)]
 pub(crate) struct Consumer {
-    pub(crate) pool: Pool,
+    pub(crate) db: Db,
     pub(crate) worker: Arc<str>,
     pub(crate) subscriptions: Vec<Arc<str>>,
     pub(crate) poll_only: bool,
@@ -44,19 +44,7 @@ pub(crate) struct Consumer {
 impl Consumer {
     /// Registers or renews the row; returns the bus's subscriptions that no longer exist.
     pub(crate) async fn heartbeat(&self) -> Result<Vec<String>> {
-        let client = self.pool.get().await?;
-        let stmt = client
-            .prepare_typed_cached(
-                sql::CONSUMER_HEARTBEAT,
-                &[
-                    Type::TEXT,
-                    Type::INT8,
-                    Type::TEXT_ARRAY,
-                    Type::TEXT,
-                    Type::BOOL,
-                ],
-            )
-            .await?;
+        let client = self.db.get().await?;
         let ttl_ms = CONSUMER_TTL.as_millis() as i64;
         let subs: Vec<&str> = self.subscriptions.iter().map(|s| &**s).collect();
         let info = format!(
@@ -65,17 +53,34 @@ impl Consumer {
             std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown host".into())
         );
         let worker: &str = &self.worker;
-        let row = client
-            .query_one(&stmt, &[&worker, &ttl_ms, &subs, &info, &self.poll_only])
+        let rows = self
+            .db
+            .query(
+                &client,
+                sql::CONSUMER_HEARTBEAT,
+                &[
+                    Type::TEXT,
+                    Type::INT8,
+                    Type::TEXT_ARRAY,
+                    Type::TEXT,
+                    Type::BOOL,
+                ],
+                &[&worker, &ttl_ms, &subs, &info, &self.poll_only],
+            )
             .await?;
+        let row = rows
+            .first()
+            .ok_or(Error::Unexpected("the consumer heartbeat returned no row"))?;
         Ok(row.try_get("missing")?)
     }
 
     /// Removes the row (at shutdown).
     pub(crate) async fn remove(&self) -> Result<()> {
-        let client = self.pool.get().await?;
+        let client = self.db.get().await?;
         let worker: &str = &self.worker;
-        client.execute(sql::CONSUMER_REMOVE, &[&worker]).await?;
+        self.db
+            .query(&client, sql::CONSUMER_REMOVE, &[Type::TEXT], &[&worker])
+            .await?;
         Ok(())
     }
 }
@@ -137,8 +142,12 @@ impl Maintainer {
         }
     }
 
+    fn db(&self) -> &Db {
+        &self.consumer.db
+    }
+
     async fn client(&self) -> Result<Object> {
-        Ok(self.consumer.pool.get().await?)
+        self.consumer.db.get().await
     }
 
     /// Returns expired leases (of any bus) to pending or the dead letters; true when it
@@ -147,16 +156,20 @@ impl Maintainer {
         let reaped = async {
             let client = self.client().await?;
             let work = async {
-                let stmt = client
-                    .prepare_typed_cached(sql::REAP, &[Type::INT4])
+                let rows = self
+                    .db()
+                    .query(&client, sql::REAP, &[Type::INT4], &[&ROWS_PER_DUTY])
                     .await?;
-                let row = client.query_one(&stmt, &[&ROWS_PER_DUTY]).await?;
+                let row = rows
+                    .first()
+                    .ok_or(Error::Unexpected("the reaper returned no row"))?;
                 Ok((
                     row.try_get::<_, i64>("returned")?,
                     row.try_get::<_, i64>("dead")?,
                 ))
             };
-            unless_stopped(&client, self.shutdown.token(), work)
+            self.db()
+                .unless_stopped(&client, self.shutdown.token(), work)
                 .await
                 .transpose()
         };
@@ -192,24 +205,23 @@ impl Maintainer {
             let attempts: Vec<i32> = held.iter().map(|(_, _, a)| *a).collect();
             let lease_ms = self.schedule.lease.as_millis() as i64;
             let worker: &str = &self.consumer.worker;
-            let work = async {
-                let stmt = client
-                    .prepare_typed_cached(
-                        sql::EXTEND,
-                        &[
-                            Type::TEXT_ARRAY,
-                            Type::INT8_ARRAY,
-                            Type::INT4_ARRAY,
-                            Type::INT8,
-                            Type::TEXT,
-                        ],
-                    )
-                    .await?;
-                Ok(client
-                    .execute(&stmt, &[&subs, &seqs, &attempts, &lease_ms, &worker])
-                    .await?)
-            };
-            unless_stopped(&client, stop, work).await.transpose()
+            let params: [&(dyn ToSql + Sync); 5] = [&subs, &seqs, &attempts, &lease_ms, &worker];
+            let work = self.db().query(
+                &client,
+                sql::EXTEND,
+                &[
+                    Type::TEXT_ARRAY,
+                    Type::INT8_ARRAY,
+                    Type::INT4_ARRAY,
+                    Type::INT8,
+                    Type::TEXT,
+                ],
+                &params,
+            );
+            self.db()
+                .unless_stopped(&client, stop, work)
+                .await
+                .transpose()
         };
         if let Err(e) = extended.await {
             if self.lease_warn.allow() {
@@ -255,13 +267,11 @@ impl Maintainer {
     async fn repair(&self) {
         let repaired = async {
             let client = self.client().await?;
-            let work = async {
-                let stmt = client
-                    .prepare_typed_cached(sql::REPAIR, &[Type::INT4])
-                    .await?;
-                Ok(client.query(&stmt, &[&ROWS_PER_DUTY]).await?)
-            };
-            unless_stopped(&client, self.shutdown.token(), work)
+            let work = self
+                .db()
+                .query(&client, sql::REPAIR, &[Type::INT4], &[&ROWS_PER_DUTY]);
+            self.db()
+                .unless_stopped(&client, self.shutdown.token(), work)
                 .await
                 .transpose()
         };
@@ -295,7 +305,8 @@ impl Maintainer {
         let swept = async {
             let client = self.client().await?;
             let work = crate::admin::sweep_batch(&client, retention, batch);
-            unless_stopped(&client, self.shutdown.token(), work)
+            self.db()
+                .unless_stopped(&client, self.shutdown.token(), work)
                 .await
                 .transpose()
         };

@@ -5,7 +5,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
@@ -127,7 +126,7 @@ impl Settler {
 /// The acker: what it writes with, counts and wakes.
 #[derive(Debug)]
 pub(crate) struct Acker {
-    pub(crate) pool: Pool,
+    pub(crate) db: crate::conn::Db,
     pub(crate) worker: Arc<str>,
     pub(crate) stats: Arc<Counters>,
     pub(crate) wake: Arc<Wake>,
@@ -326,17 +325,12 @@ impl Acker {
     /// Runs the SETTLE statement for a batch.
     async fn settle(&self, batch: &[SettleMsg]) -> Result<Settled> {
         let columns = Columns::of(batch);
-        let client = self.pool.get().await?;
+        let client = self.db.get().await?;
         let mut params = columns.params();
         let worker: &str = &self.worker;
         params.push(&worker);
-        let run = async {
-            let stmt = client
-                .prepare_typed_cached(sql::SETTLE, &SETTLE_TYPES)
-                .await?;
-            Ok(client.query(&stmt, &params).await?)
-        };
-        match crate::conn::unless_stopped(&client, &self.deadline, run).await {
+        let run = self.db.query(&client, sql::SETTLE, &SETTLE_TYPES, &params);
+        match self.db.unless_stopped(&client, &self.deadline, run).await {
             Some(rows) => Settled::read(rows?),
             None => Err(Error::Timeout(
                 "writing settlements before the shutdown deadline",

@@ -111,6 +111,11 @@ pub(crate) struct ConsumeArgs {
     /// goes through a transaction-mode pooler).
     #[arg(long, value_name = "URL")]
     listen_url: Option<String>,
+    /// DATABASE_URL goes through a transaction-mode pooler (PgBouncer): the bus keeps its
+    /// settings and statements within each transaction, and LISTENs only through
+    /// --listen-url (without one it polls, and says so).
+    #[arg(long, env = "PGBUS_POOLER")]
+    pooler: bool,
     /// How long a graceful stop waits for deliveries in progress.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     shutdown_timeout: Duration,
@@ -214,7 +219,7 @@ impl Ctx {
 }
 
 pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Failure> {
-    let config = super::database_config(url)?;
+    let config = super::database_config(url)?.pooler(args.pooler);
     if args.max_attempts.is_some_and(|n| n < 1) {
         return Err(usage("error: --max-attempts must be at least 1"));
     }

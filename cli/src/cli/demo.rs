@@ -133,7 +133,7 @@ pub(crate) async fn run(args: DemoArgs, url: Option<&str>) -> Result<(), Failure
                     ))
                 })?;
             eprintln!("pgbus demo: cluster in {}", pg.dir().display());
-            let config = pg.config("postgres");
+            let config = pgbus::ConnectConfig::from(pg.config("postgres"));
             (Some(pg), config)
         }
     };
@@ -150,7 +150,7 @@ pub(crate) async fn run(args: DemoArgs, url: Option<&str>) -> Result<(), Failure
     result
 }
 
-async fn demo(args: &DemoArgs, config: &tokio_postgres::Config) -> Result<(), Failure> {
+async fn demo(args: &DemoArgs, config: &pgbus::ConnectConfig) -> Result<(), Failure> {
     let client = super::connect(config).await?;
     pgbus::migrate(&client).await?;
 

@@ -85,59 +85,83 @@ pub(crate) fn failed(message: impl Into<String>) -> Failure {
     }
 }
 
-/// Parses and checks `--database-url` / `DATABASE_URL`.
-///
-/// tokio-postgres accepts many strings (`postgres://` with no host is a valid URL), so
-/// this also requires a host and a user: what a connection needs.
-pub(crate) fn database_config(url: Option<&str>) -> Result<tokio_postgres::Config, Failure> {
+/// Parses and checks `--database-url` / `DATABASE_URL`, filling what it leaves out from
+/// the `PG*` environment variables and the password file, as `psql` does.
+pub(crate) fn database_config(url: Option<&str>) -> Result<pgbus::ConnectConfig, Failure> {
+    database_config_with_env(url, |name| std::env::var(name).ok())
+}
+
+/// [`database_config`] with the environment read through `env`.
+fn database_config_with_env(
+    url: Option<&str>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<pgbus::ConnectConfig, Failure> {
     const EXAMPLE: &str = "e.g. postgres://user:password@localhost:5432/app";
-    let url = url
-        .map(str::trim)
-        .filter(|u| !u.is_empty())
-        .ok_or_else(|| {
-            usage("error: DATABASE_URL is not set (pass --database-url or set DATABASE_URL)")
-        })?;
-    let mut config: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
-        let reason = e.to_string().replace('\n', " ");
+    let url = url.map(str::trim).filter(|u| !u.is_empty());
+    let given_by_env = ["PGHOST", "PGUSER"]
+        .iter()
+        .any(|v| env(v).is_some_and(|v| !v.is_empty()));
+    if url.is_none() && !given_by_env {
+        return Err(usage(
+            "error: DATABASE_URL is not set (pass --database-url, set DATABASE_URL, or set \
+             PGHOST, PGUSER and the other PG* variables)",
+        ));
+    }
+    let mut config = pgbus::ConnectConfig::parse_with_env(url.unwrap_or(""), env).map_err(|e| {
+        let reason = match &e {
+            pgbus::Error::Invalid { what, reason } => format!("{what}: {reason}"),
+            e => e.to_string(),
+        };
         usage(format!(
-            "error: DATABASE_URL is malformed ({reason}); {EXAMPLE}"
+            "error: DATABASE_URL is not usable ({}); {EXAMPLE}",
+            reason.replace('\n', " ")
         ))
     })?;
-    if config.get_hosts().is_empty() {
-        return Err(usage(format!(
-            "error: DATABASE_URL names no host; {EXAMPLE}"
-        )));
+    let pg = config.pg_config_mut();
+    if pg.get_application_name().is_none() {
+        pg.application_name("pgbus cli");
     }
-    if config.get_user().is_none() {
-        return Err(usage(format!(
-            "error: DATABASE_URL names no user; {EXAMPLE}"
-        )));
-    }
-    if config.get_application_name().is_none() {
-        config.application_name("pgbus cli");
-    }
-    if config.get_connect_timeout().is_none() {
-        config.connect_timeout(Duration::from_secs(10));
+    if pg.get_connect_timeout().is_none() {
+        pg.connect_timeout(Duration::from_secs(10));
     }
     Ok(config)
 }
 
 /// Connects once, for a command's statements.
 pub(crate) async fn connect(
-    config: &tokio_postgres::Config,
+    config: &pgbus::ConnectConfig,
 ) -> Result<tokio_postgres::Client, Failure> {
-    let (client, connection) = config.connect(tokio_postgres::NoTls).await.map_err(|e| {
-        failed(format!(
-            "error: could not connect to DATABASE_URL: {}",
-            with_sources(&e)
-        ))
-    })?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "connection closed");
+    config.connect().await.map_err(|e| {
+        let text = with_sources(&e);
+        let mut message = format!("error: could not connect to DATABASE_URL: {text}");
+        if let Some(hint) = connect_hint(&text, config) {
+            message.push_str("\nhint: ");
+            message.push_str(hint);
         }
-    });
-    Ok(client)
+        failed(message)
+    })
+}
+
+/// What to do about a failed connection, when its reason says.
+fn connect_hint(reason: &str, config: &pgbus::ConnectConfig) -> Option<&'static str> {
+    use pgbus::SslMode;
+    if reason.contains("UnknownIssuer") || reason.contains("BadSignature") {
+        Some(
+            "the server's certificate is not signed by a CA in sslrootcert (or the system's \
+             store): name the CA that signed it with sslrootcert=<file>",
+        )
+    } else if reason.contains("NotValidForName") {
+        Some(
+            "the server's certificate does not name the host connected to (sslmode=verify-full): \
+             connect by a name the certificate holds, or use sslmode=verify-ca",
+        )
+    } else if reason.contains("server does not support TLS") {
+        Some("the server does not accept TLS: use sslmode=prefer or disable, or turn ssl on")
+    } else if reason.contains("no encryption") && config.ssl_mode() <= SslMode::Prefer {
+        Some("the server accepts only TLS connections: use sslmode=require or stronger")
+    } else {
+        None
+    }
 }
 
 /// Parses and checks the URL, then connects.
@@ -392,13 +416,21 @@ mod tests {
             Some("postgres://localhost:notaport/db"),
             Some("dbname=app"),
         ] {
-            let e = database_config(bad).unwrap_err();
+            let e = database_config_with_env(bad, |_| None).unwrap_err();
             assert_eq!(e.code, 2, "{bad:?}");
             assert!(e.message.contains("DATABASE_URL"), "{bad:?}: {}", e.message);
             assert!(!e.message.contains('\n'), "{bad:?}: {}", e.message);
         }
-        assert!(database_config(Some("postgres://app@localhost/app")).is_ok());
-        assert!(database_config(Some("host=/tmp user=postgres dbname=x")).is_ok());
+        let ok = |url| database_config_with_env(Some(url), |_| None).is_ok();
+        assert!(ok("postgres://app@localhost/app"));
+        assert!(ok("host=/tmp user=postgres dbname=x"));
+        let env = |name: &str| match name {
+            "PGHOST" => Some("db.internal".to_string()),
+            "PGUSER" => Some("app".to_string()),
+            _ => None,
+        };
+        let config = database_config_with_env(None, env).unwrap();
+        assert_eq!(config.pg_config().get_user(), Some("app"));
     }
 
     #[test]
