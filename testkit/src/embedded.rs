@@ -239,7 +239,7 @@ fn resolve_links(dir: PathBuf) -> PathBuf {
 }
 
 /// `/usr/lib/postgresql/*/bin` that hold the server tools, newest version first.
-fn debian_bin_dirs() -> Vec<PathBuf> {
+pub(crate) fn debian_bin_dirs() -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(DEBIAN_PG_LIB_DIR) else {
         return Vec::new();
     };

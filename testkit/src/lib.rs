@@ -100,6 +100,16 @@ pub enum FixtureError {
     /// Migrating a database of the fixture failed.
     #[error("migrating: {0}")]
     Migrate(#[source] pgbus::Error),
+    /// No PostgreSQL server binaries built with SSL were found.
+    #[error(
+        "the TLS test server needs PostgreSQL server binaries built with SSL, and those \
+         found were built without it ({tried}); install Debian's (`apt-get install \
+         postgresql`), which are"
+    )]
+    NoSslServer {
+        /// The binaries' directories that were tried.
+        tried: String,
+    },
     /// No `pgbouncer` program was found.
     #[error(
         "pgbouncer was not found on PATH or at {}; install it (Debian and Ubuntu:          `apt-get install pgbouncer`; .ci/run does)",

