@@ -7,6 +7,11 @@
 //! twin). Every value is sent as a parameter. The statements are documented in
 //! `src/sql.rs`.
 //!
+//! Every statement is sent unnamed, with its parameter types (`query_typed`): one round
+//! trip, and nothing is left on the server connection between statements, so these
+//! functions work behind a pooler in transaction mode (PgBouncer), which hands each
+//! transaction whichever server connection is free.
+//!
 //! ```no_run
 //! # async fn example(client: &tokio_postgres::Client) -> Result<(), pgbus::Error> {
 //! use pgbus::admin::{self, DeadLetterFilter};
@@ -22,6 +27,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
@@ -39,6 +45,28 @@ pub const DEFAULT_SWEEP_BATCH: i32 = 1000;
 
 /// The advisory lock that keeps sweeps from running in two processes at once.
 const SWEEP_LOCK_KEY: i64 = 0x7067_6275_735f_7377; // "pgbus_sw"
+
+/// A statement's parameter with its type, as `query_typed` takes it.
+type Param<'a> = (&'a (dyn ToSql + Sync), Type);
+
+/// Runs `statement` unnamed (see the module's documentation) and returns its one row.
+///
+/// # Errors
+///
+/// [`Error::Database`] when the statement fails, [`Error::Unexpected`] when it returns no
+/// row.
+pub(crate) async fn one_row<C: GenericClient>(
+    client: &C,
+    statement: &str,
+    params: &[Param<'_>],
+) -> Result<Row> {
+    client
+        .query_typed(statement, params)
+        .await?
+        .into_iter()
+        .next()
+        .ok_or(Error::Unexpected("a statement of one row returned none"))
+}
 
 /// Checks a subscription's name and patterns the way the schema's CHECK constraints do.
 ///
@@ -80,7 +108,7 @@ pub async fn register_subscription<C: Executor + ?Sized, S: AsRef<str>>(
         ));
     }
     let patterns: Vec<&str> = patterns.iter().map(AsRef::as_ref).collect();
-    let params: [(&(dyn ToSql + Sync), Type); 3] = [
+    let params: [Param<'_>; 3] = [
         (&name, Type::TEXT),
         (&patterns, Type::TEXT_ARRAY),
         (&max_attempts, Type::INT4),
@@ -281,7 +309,7 @@ pub async fn subscription_settings<C: Executor + ?Sized>(
     client: &C,
     name: &str,
 ) -> Result<Option<SubscriptionSettings>> {
-    let params: [(&(dyn ToSql + Sync), Type); 1] = [(&name, Type::TEXT)];
+    let params: [Param<'_>; 1] = [(&name, Type::TEXT)];
     let rows = client
         .client()
         .query_typed(sql::SUBSCRIPTION_SETTINGS, &params)
@@ -319,7 +347,7 @@ pub async fn configure_subscription<C: Executor + ?Sized>(
 ) -> Result<Option<u64>> {
     change.validate(name)?;
     let on_dead = change.on_dead.map(DeadHeadPolicy::as_sql);
-    let params: [(&(dyn ToSql + Sync), Type); 5] = [
+    let params: [Param<'_>; 5] = [
         (&name, Type::TEXT),
         (&change.patterns, Type::TEXT_ARRAY),
         (&change.max_attempts, Type::INT4),
@@ -387,7 +415,7 @@ pub(crate) async fn join_subscription<C: Executor + ?Sized>(
         let max_attempts = asked.max_attempts.unwrap_or(crate::DEFAULT_MAX_ATTEMPTS);
         let ordered = asked.ordered.unwrap_or(false);
         let on_dead = asked.on_dead.unwrap_or_default().as_sql();
-        let params: [(&(dyn ToSql + Sync), Type); 5] = [
+        let params: [Param<'_>; 5] = [
             (&name, Type::TEXT),
             (patterns, Type::TEXT_ARRAY),
             (&max_attempts, Type::INT4),
@@ -480,7 +508,7 @@ pub async fn status_of<C: Executor + ?Sized>(
             name: name.to_string(),
         });
     }
-    let row = client.query_one(sql::STATUS_CLUSTER, &[]).await?;
+    let row = one_row(client, sql::STATUS_CLUSTER, &[]).await?;
     Ok(Status {
         subscriptions,
         notification_queue_usage: row.try_get("notification_queue_usage")?,
@@ -512,7 +540,9 @@ async fn subscription_statuses<C: GenericClient>(
     client: &C,
     name: Option<&str>,
 ) -> Result<Vec<SubscriptionStatus>> {
-    let rows = client.query(sql::STATUS_SUBSCRIPTIONS, &[&name]).await?;
+    let rows = client
+        .query_typed(sql::STATUS_SUBSCRIPTIONS, &[(&name, Type::TEXT)])
+        .await?;
     rows.iter()
         .map(|row| {
             Ok(SubscriptionStatus {
@@ -542,11 +572,13 @@ async fn subscription_statuses<C: GenericClient>(
 ///
 /// [`Error::UnknownSubscription`], or [`Error::Database`] when the statement fails.
 pub async fn require_subscription<C: Executor + ?Sized>(client: &C, name: &str) -> Result<()> {
-    let exists: bool = client
-        .client()
-        .query_one(sql::SUBSCRIPTION_EXISTS, &[&name])
-        .await?
-        .try_get("exists")?;
+    let exists: bool = one_row(
+        client.client(),
+        sql::SUBSCRIPTION_EXISTS,
+        &[(&name, Type::TEXT)],
+    )
+    .await?
+    .try_get("exists")?;
     if exists {
         Ok(())
     } else {
@@ -583,6 +615,15 @@ impl DeadLetterFilter {
     pub fn event_id(mut self, id: impl Into<String>) -> Self {
         self.event_id = Some(id.into());
         self
+    }
+
+    /// `$1 text` subscription and `$2 text` event id (NULL: all), as the dead-letter
+    /// statements take them.
+    fn params(&self) -> [Param<'_>; 2] {
+        [
+            (&self.subscription, Type::TEXT),
+            (&self.event_id, Type::TEXT),
+        ]
     }
 
     async fn check<C: Executor + ?Sized>(&self, client: &C) -> Result<()> {
@@ -691,14 +732,14 @@ pub async fn dead_letters_after<C: Executor + ?Sized>(
     let after_sub = after.map(|d| d.subscription.as_str());
     let rows = client
         .client()
-        .query(
+        .query_typed(
             sql::DEAD_LIST,
             &[
-                &filter.subscription,
-                &filter.event_id,
-                &limit,
-                &after_seq,
-                &after_sub,
+                (&filter.subscription, Type::TEXT),
+                (&filter.event_id, Type::TEXT),
+                (&limit, Type::INT8),
+                (&after_seq, Type::INT8),
+                (&after_sub, Type::TEXT),
             ],
         )
         .await?;
@@ -743,18 +784,17 @@ pub async fn count_dead_letters_after<C: Executor + ?Sized>(
     filter.check(client).await?;
     let after_seq = after.map(|d| d.event_seq);
     let after_sub = after.map(|d| d.subscription.as_str());
-    let row = client
-        .client()
-        .query_one(
-            sql::DEAD_COUNT,
-            &[
-                &filter.subscription,
-                &filter.event_id,
-                &after_seq,
-                &after_sub,
-            ],
-        )
-        .await?;
+    let row = one_row(
+        client.client(),
+        sql::DEAD_COUNT,
+        &[
+            (&filter.subscription, Type::TEXT),
+            (&filter.event_id, Type::TEXT),
+            (&after_seq, Type::INT8),
+            (&after_sub, Type::TEXT),
+        ],
+    )
+    .await?;
     Ok(row.try_get("dead_letters")?)
 }
 
@@ -773,10 +813,7 @@ pub async fn retry_dead_letters<C: Executor + ?Sized>(
     filter: &DeadLetterFilter,
 ) -> Result<u64> {
     filter.check(client).await?;
-    let row = client
-        .client()
-        .query_one(sql::DEAD_RETRY, &[&filter.subscription, &filter.event_id])
-        .await?;
+    let row = one_row(client.client(), sql::DEAD_RETRY, &filter.params()).await?;
     // Skipped dead letters of ordered subscriptions come back behind their key's head;
     // a key that has none gets one (a statement of its own: it must see the retry).
     let subs: Option<Vec<String>> = row.try_get("subscriptions")?;
@@ -784,7 +821,10 @@ pub async fn retry_dead_letters<C: Executor + ?Sized>(
     if let (Some(subs), Some(keys)) = (subs, keys) {
         client
             .client()
-            .query(sql::ENSURE_HEADS, &[&subs, &keys])
+            .query_typed(
+                sql::ENSURE_HEADS,
+                &[(&subs, Type::TEXT_ARRAY), (&keys, Type::TEXT_ARRAY)],
+            )
             .await?;
     }
     Ok(row.try_get::<_, i64>("retried")? as u64)
@@ -811,10 +851,7 @@ pub async fn purge_dead_letters<C: Executor + ?Sized>(
     filter: &DeadLetterFilter,
 ) -> Result<Purged> {
     filter.check(client).await?;
-    let row = client
-        .client()
-        .query_one(sql::DEAD_PURGE, &[&filter.subscription, &filter.event_id])
-        .await?;
+    let row = one_row(client.client(), sql::DEAD_PURGE, &filter.params()).await?;
     Ok(Purged {
         dead_letters: row.try_get::<_, i64>("purged")? as u64,
         failures: row.try_get::<_, i64>("failures")? as u64,
@@ -863,10 +900,17 @@ pub async fn replay<C: Executor + ?Sized>(
             format!("until ({until}) must be after since ({since})"),
         ));
     }
-    let row = client
-        .client()
-        .query_one(sql::REPLAY, &[&subscription, &since, &until, &pattern])
-        .await?;
+    let row = one_row(
+        client.client(),
+        sql::REPLAY,
+        &[
+            (&subscription, Type::TEXT),
+            (&since, Type::TIMESTAMPTZ),
+            (&until, Type::TIMESTAMPTZ),
+            (&pattern, Type::TEXT),
+        ],
+    )
+    .await?;
     if !row.try_get::<_, bool>("found")? {
         return Err(Error::UnknownSubscription {
             name: subscription.to_string(),
@@ -903,7 +947,10 @@ pub struct SubscriptionInfo {
 /// [`Error::SchemaMissing`] when the database was never migrated, [`Error::Database`]
 /// when the statement fails.
 pub async fn subscriptions<C: Executor + ?Sized>(client: &C) -> Result<Vec<SubscriptionInfo>> {
-    let rows = client.client().query(sql::SUBSCRIPTIONS_LIST, &[]).await?;
+    let rows = client
+        .client()
+        .query_typed(sql::SUBSCRIPTIONS_LIST, &[])
+        .await?;
     rows.iter()
         .map(|row| {
             Ok(SubscriptionInfo {
@@ -947,10 +994,12 @@ pub async fn drop_subscription<C: Executor + ?Sized>(
     name: &str,
     force: bool,
 ) -> Result<Dropped> {
-    let row = client
-        .client()
-        .query_one(sql::SUBSCRIPTION_DROP, &[&name, &force])
-        .await?;
+    let row = one_row(
+        client.client(),
+        sql::SUBSCRIPTION_DROP,
+        &[(&name, Type::TEXT), (&force, Type::BOOL)],
+    )
+    .await?;
     if !row.try_get::<_, bool>("known")? {
         return Err(Error::UnknownSubscription {
             name: name.to_string(),
@@ -1009,10 +1058,16 @@ pub async fn sweep_batch<C: Executor + ?Sized>(
     if batch < 1 {
         return Err(Error::invalid("sweep batch", "must be at least 1"));
     }
-    let row = client
-        .client()
-        .query_one(sql::SWEEP, &[&retention_ms, &batch, &SWEEP_LOCK_KEY])
-        .await?;
+    let row = one_row(
+        client.client(),
+        sql::SWEEP,
+        &[
+            (&retention_ms, Type::INT8),
+            (&batch, Type::INT4),
+            (&SWEEP_LOCK_KEY, Type::INT8),
+        ],
+    )
+    .await?;
     Ok(Swept {
         busy: !row.try_get::<_, bool>("got")?,
         events: row.try_get::<_, i64>("events")? as u64,

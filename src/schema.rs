@@ -5,6 +5,7 @@
 //! checksum, in `pgbus.schema_migrations`; running `migrate` twice, or from two processes
 //! at once, applies each migration exactly once.
 
+use crate::admin::one_row;
 use crate::error::{Error, Result};
 
 /// One numbered migration from `sql/`.
@@ -120,21 +121,26 @@ CREATE TABLE IF NOT EXISTS pgbus.schema_migrations (
 /// from the one this binary carries.
 pub async fn migrate(client: &tokio_postgres::Client) -> Result<Vec<Migration>> {
     // Before anything is written: an older server would fail halfway through the
-    // migrations, with an error that does not say why.
-    let version: i32 = client
-        .query_one(
-            "SELECT current_setting('server_version_num')::int AS version",
-            &[],
-        )
-        .await?
-        .try_get("version")?;
+    // migrations, with an error that does not say why. The statements outside the
+    // migrations' transactions are sent unnamed, so that `migrate` works behind a pooler
+    // in transaction mode too.
+    let version: i32 = one_row(
+        client,
+        "SELECT current_setting('server_version_num')::int AS version",
+        &[],
+    )
+    .await?
+    .try_get("version")?;
     check_server_version(version)?;
     // SQL_ASCII stores text bytes unchecked: a row that is not valid UTF-8 could never
     // be sent to pgbus, and every claim of its subscription would fail.
-    let encoding: String = client
-        .query_one("SELECT pg_encoding_to_char(encoding) AS encoding FROM pg_database WHERE datname = current_database()", &[])
-        .await?
-        .try_get("encoding")?;
+    let encoding: String = one_row(
+        client,
+        "SELECT pg_encoding_to_char(encoding) AS encoding FROM pg_database WHERE datname = current_database()",
+        &[],
+    )
+    .await?
+    .try_get("encoding")?;
     if encoding == "SQL_ASCII" {
         return Err(Error::Invalid {
             what: "database encoding",
@@ -205,22 +211,22 @@ async fn apply_one(client: &tokio_postgres::Client, migration: &Migration) -> Re
 ///
 /// [`Error::Database`] when the query fails.
 pub async fn schema_version(client: &tokio_postgres::Client) -> Result<Option<i32>> {
-    let exists: bool = client
-        .query_one(
-            "SELECT to_regclass('pgbus.schema_migrations') IS NOT NULL AS migrated",
-            &[],
-        )
-        .await?
-        .try_get("migrated")?;
+    let exists: bool = one_row(
+        client,
+        "SELECT to_regclass('pgbus.schema_migrations') IS NOT NULL AS migrated",
+        &[],
+    )
+    .await?
+    .try_get("migrated")?;
     if !exists {
         return Ok(None);
     }
-    let row = client
-        .query_one(
-            "SELECT max(version) AS version FROM pgbus.schema_migrations",
-            &[],
-        )
-        .await?;
+    let row = one_row(
+        client,
+        "SELECT max(version) AS version FROM pgbus.schema_migrations",
+        &[],
+    )
+    .await?;
     Ok(row.try_get("version")?)
 }
 

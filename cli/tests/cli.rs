@@ -429,15 +429,7 @@ async fn dead_purge_asks_for_yes_and_deletes_dead_letters_with_their_history() {
     let db = common::test_db().await;
     let client = db.connect().await;
     register(&client, "s", &["p.*"]).await;
-    client
-        .batch_execute(
-            "SELECT pgbus.publish('p.one', id => 'e1'); SELECT pgbus.publish('p.two', id => 'e2'); \
-             UPDATE pgbus.deliveries SET status = 'dead', attempts = 3, last_error = 'nope'; \
-             INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error) \
-             SELECT subscription, event_seq, 3, 'nope' FROM pgbus.deliveries;",
-        )
-        .await
-        .unwrap();
+    proc::two_dead_letters(&client).await;
     let out = run(pgbus_on(&db), &["dead", "purge", "--all"]).await;
     assert_eq!(out.code, 2, "{out:?}");
     assert!(out.stderr.contains("--yes"), "{out:?}");

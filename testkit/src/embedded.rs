@@ -2,7 +2,9 @@
 //!
 //! [`EmbeddedPostgres::start`] runs `initdb` in a new directory and starts a server that
 //! listens only on a Unix socket inside that directory: never on TCP, so it cannot collide
-//! with a server on port 5432, and nothing outside this machine can reach it. Dropping the
+//! with a server on port 5432, and nothing outside this machine can reach it (unless
+//! [`EmbeddedOptions::tcp_address`] asks for a TCP address too, as the
+//! [`tls`](crate::tls) fixture does, on a free port of the loopback). Dropping the
 //! handle stops the server and removes the directory. So does the end of the process that
 //! started it, even a crash or a `kill -9`: a small guardian process waits for it.
 //!
@@ -26,6 +28,7 @@ use std::env;
 use std::fmt::Write as _;
 use std::fs;
 use std::io::{self, Write as _};
+use std::net::IpAddr;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -138,6 +141,15 @@ pub enum EmbeddedError {
         /// The cluster's directory.
         path: PathBuf,
     },
+    /// A file passed with [`EmbeddedOptions::data_file`] has a name that is not a plain
+    /// file name.
+    #[error(
+        "invalid data file name {name:?}: a plain file name is expected (no `/`, not `.` or `..`)"
+    )]
+    InvalidDataFile {
+        /// The name given.
+        name: String,
+    },
     /// A setting passed with [`EmbeddedOptions::setting`] cannot be written.
     #[error("invalid setting `{name}`: {reason}")]
     InvalidSetting {
@@ -227,7 +239,7 @@ fn resolve_links(dir: PathBuf) -> PathBuf {
 }
 
 /// `/usr/lib/postgresql/*/bin` that hold the server tools, newest version first.
-fn debian_bin_dirs() -> Vec<PathBuf> {
+pub(crate) fn debian_bin_dirs() -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(DEBIAN_PG_LIB_DIR) else {
         return Vec::new();
     };
@@ -285,9 +297,9 @@ fn bin_dir_for(data_dir: &Path) -> Result<PathBuf, EmbeddedError> {
 
 /// The user and group a server process runs as, when it differs from this process's.
 #[derive(Debug, Clone, Copy)]
-struct RunAs {
-    uid: u32,
-    gid: u32,
+pub(crate) struct RunAs {
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
 }
 
 /// Whether this process runs as root (its effective user id is 0).
@@ -296,7 +308,7 @@ pub(crate) fn running_as_root() -> bool {
 }
 
 /// `None` when this process is not root; else the `postgres` user from `/etc/passwd`.
-fn server_user() -> Result<Option<RunAs>, EmbeddedError> {
+pub(crate) fn server_user() -> Result<Option<RunAs>, EmbeddedError> {
     if !running_as_root() {
         return Ok(None);
     }
@@ -331,7 +343,7 @@ pub fn check_directory(dir: &Path) -> Result<(), EmbeddedError> {
     }
 }
 
-fn check_reachable(dir: &Path, user: RunAs) -> Result<(), EmbeddedError> {
+pub(crate) fn check_reachable(dir: &Path, user: RunAs) -> Result<(), EmbeddedError> {
     let absolute = if dir.is_absolute() {
         dir.to_path_buf()
     } else {
@@ -360,7 +372,7 @@ fn check_reachable(dir: &Path, user: RunAs) -> Result<(), EmbeddedError> {
     Ok(())
 }
 
-fn chown(path: &Path, run_as: Option<RunAs>) -> Result<(), EmbeddedError> {
+pub(crate) fn chown(path: &Path, run_as: Option<RunAs>) -> Result<(), EmbeddedError> {
     match run_as {
         Some(user) => std::os::unix::fs::chown(path, Some(user.uid), Some(user.gid)).map_err(
             io_error(format!("changing the owner of {}", path.display())),
@@ -370,7 +382,7 @@ fn chown(path: &Path, run_as: Option<RunAs>) -> Result<(), EmbeddedError> {
 }
 
 /// Creates a new directory `<parent>/<prefix><pid>-<random>`.
-fn unique_dir(parent: &Path, prefix: &str) -> Result<PathBuf, EmbeddedError> {
+pub(crate) fn unique_dir(parent: &Path, prefix: &str) -> Result<PathBuf, EmbeddedError> {
     let mut tries = 0;
     loop {
         let dir = parent.join(format!(
@@ -392,6 +404,36 @@ fn socket_path_fits(socket_dir: &Path, port: u16) -> bool {
         .as_os_str()
         .len()
         <= MAX_SOCKET_PATH
+}
+
+/// Writes `dir/name` with `content`, readable by its owner only (mode 0600), owned by
+/// `run_as` when given. `name` must be a plain file name.
+pub(crate) fn write_private_file(
+    dir: &Path,
+    name: &str,
+    content: &[u8],
+    run_as: Option<RunAs>,
+) -> Result<PathBuf, EmbeddedError> {
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return Err(EmbeddedError::InvalidDataFile { name: name.into() });
+    }
+    let path = dir.join(name);
+    // Removed first: an existing file would keep its mode.
+    match fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_error(format!("removing {}", path.display()))(e)),
+    }
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io_error(format!("creating {}", path.display())))?;
+    file.write_all(content)
+        .map_err(io_error(format!("writing {}", path.display())))?;
+    chown(&path, run_as)?;
+    Ok(path)
 }
 
 /// How to stop a server; see `pg_ctl stop -m`.
@@ -434,9 +476,17 @@ pub struct EmbeddedOptions {
     pub durable: bool,
     /// The server's `max_connections`. Default: 200 ([`DEFAULT_MAX_CONNECTIONS`]).
     pub max_connections: u32,
-    /// The port, which only names the socket file (the server never listens on TCP).
-    /// Default: 5432 ([`DEFAULT_PORT`]).
+    /// The port, which names the socket file, and the TCP port when
+    /// [`tcp_address`](Self::tcp_address) is set. Default: 5432 ([`DEFAULT_PORT`]).
     pub port: u16,
+    /// An address the server listens on over TCP too, at [`port`](Self::port) (which the
+    /// caller then chooses free). Default: `None`, the Unix socket only.
+    pub tcp_address: Option<IpAddr>,
+    /// Files written into the data directory at every start, before the server starts:
+    /// (file name, content). Each is written with mode 0600 and owned by the server's OS
+    /// user, as PostgreSQL wants a private key to be; a file named like one of the
+    /// cluster's (`pg_hba.conf`) replaces it. Default: none.
+    pub data_files: Vec<(String, Vec<u8>)>,
     /// More `name = value` server settings, applied last, in order. Default: none.
     pub settings: Vec<(String, String)>,
     /// Where the cluster lives. Default: `None`, a new directory under
@@ -455,6 +505,8 @@ impl Default for EmbeddedOptions {
             durable: DEFAULT_DURABLE,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             port: DEFAULT_PORT,
+            tcp_address: None,
+            data_files: Vec::new(),
             settings: Vec::new(),
             directory: None,
             bin_dir: None,
@@ -478,6 +530,20 @@ impl EmbeddedOptions {
     /// Sets [`EmbeddedOptions::port`]. Default: 5432.
     pub fn port(mut self, port: u16) -> Self {
         self.port = port;
+        self
+    }
+
+    /// Sets [`EmbeddedOptions::tcp_address`]. Default: none (Unix socket only).
+    pub fn tcp_address(mut self, address: IpAddr) -> Self {
+        self.tcp_address = Some(address);
+        self
+    }
+
+    /// Adds a file to [`EmbeddedOptions::data_files`], e.g. `pg_hba.conf` or a TLS key.
+    /// `name` is a plain file name; anything else is refused at start
+    /// ([`EmbeddedError::InvalidDataFile`]).
+    pub fn data_file(mut self, name: impl Into<String>, content: impl Into<Vec<u8>>) -> Self {
+        self.data_files.push((name.into(), content.into()));
         self
     }
 
@@ -507,7 +573,12 @@ impl EmbeddedOptions {
             reason: "the socket directory's path is not UTF-8",
         })?;
         let mut settings: Vec<(&str, String)> = vec![
-            ("listen_addresses", String::new()),
+            (
+                "listen_addresses",
+                self.tcp_address
+                    .map(|address| address.to_string())
+                    .unwrap_or_default(),
+            ),
             ("port", self.port.to_string()),
             ("unix_socket_directories", socket_dir.to_owned()),
             ("max_connections", self.max_connections.to_string()),
@@ -945,17 +1016,10 @@ impl EmbeddedPostgres {
             writeln!(file, "\ninclude '{SETTINGS_FILE}'")
                 .map_err(io_error(format!("writing {}", conf.display())))?;
         }
-        let settings_path = pg.ctl.data_dir.join(SETTINGS_FILE);
-        let mut file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&settings_path)
-            .map_err(io_error(format!("opening {}", settings_path.display())))?;
-        file.write_all(settings.as_bytes())
-            .map_err(io_error(format!("writing {}", settings_path.display())))?;
-        chown(&settings_path, run_as)?;
+        write_private_file(&pg.ctl.data_dir, SETTINGS_FILE, settings.as_bytes(), run_as)?;
+        for (name, content) in &options.data_files {
+            write_private_file(&pg.ctl.data_dir, name, content, run_as)?;
+        }
 
         // A server left running in this directory (by a process that detached it) would
         // keep the old settings.
@@ -1198,7 +1262,7 @@ fn quote_value(value: &str) -> String {
 }
 
 /// Percent-encodes everything but unreserved URL characters.
-fn percent_encode(s: &str) -> String {
+pub(crate) fn percent_encode(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for byte in s.bytes() {
         if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {

@@ -474,6 +474,16 @@ impl Drop for TestDb {
     }
 }
 
+/// A configuration for the maintenance database of the server [`test_db`] makes its
+/// databases on (the shared cluster, or `DATABASE_URL`'s server).
+///
+/// # Panics
+///
+/// As [`test_db`].
+pub(crate) async fn server_config() -> Config {
+    spawn_blocking(server).await.admin.clone()
+}
+
 /// The shared embedded cluster, or `None` when the tests use `DATABASE_URL`.
 ///
 /// Other tests use it at the same time: never stop or restart it. A test that does that

@@ -39,6 +39,9 @@
 //! - [`wait_for`], [`within`], [`count`], [`wait_count`], [`wait_settled`]: waiting, with a
 //!   deadline, for what happens in the background.
 //! - [`embedded`]: the throwaway PostgreSQL server itself.
+//! - [`tls`]: a PostgreSQL server that accepts TCP connections over TLS only, with its
+//!   certificates; [`pgbouncer`]: PgBouncer in transaction mode, configured so that
+//!   whatever a client leaves on a server connection is gone at the next transaction.
 //! - [`bench`](mod@bench): databases and data for benchmarks (pgbus's criterion benches and `pgbus
 //!   bench`).
 //!
@@ -55,6 +58,10 @@ pub mod bench;
 pub mod embedded;
 #[cfg(unix)]
 mod harness;
+#[cfg(unix)]
+pub mod pgbouncer;
+#[cfg(unix)]
+pub mod tls;
 mod wait;
 
 use tokio_postgres::config::Host;
@@ -68,6 +75,101 @@ pub use wait::{WAIT, count, wait_count, wait_for, wait_settled, within};
 /// (`pgbus_testkit::sql::CLAIM`). Not part of pgbus's API: no semver promise.
 #[doc(hidden)]
 pub use pgbus::__private::sql;
+
+/// What can go wrong starting a fixture: a [`tls::TlsServer`] or a
+/// [`pgbouncer::PgBouncer`].
+#[cfg(unix)]
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FixtureError {
+    /// The PostgreSQL server could not be started.
+    #[error(transparent)]
+    Embedded(#[from] embedded::EmbeddedError),
+    /// The TLS certificates could not be made.
+    #[error("generating the TLS certificates: {0}")]
+    Certificates(#[from] rcgen::Error),
+    /// A statement of the fixture's setup failed.
+    #[error("{action}: {}", describe(.source))]
+    Database {
+        /// What was being done.
+        action: String,
+        /// The error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// Migrating a database of the fixture failed.
+    #[error("migrating: {0}")]
+    Migrate(#[source] pgbus::Error),
+    /// No PostgreSQL server binaries built with SSL were found.
+    #[error(
+        "the TLS test server needs PostgreSQL server binaries built with SSL, and those \
+         found were built without it ({tried}); install Debian's (`apt-get install \
+         postgresql`), which are"
+    )]
+    NoSslServer {
+        /// The binaries' directories that were tried.
+        tried: String,
+    },
+    /// No `pgbouncer` program was found.
+    #[error(
+        "pgbouncer was not found on PATH or at {}; install it (Debian and Ubuntu:          `apt-get install pgbouncer`; .ci/run does)",
+        pgbouncer::DEBIAN_PGBOUNCER
+    )]
+    PgBouncerNotFound,
+    /// The server the pooler would front cannot be described to it.
+    #[error("PgBouncer cannot front this server: {0}")]
+    PgBouncerTarget(String),
+    /// PgBouncer ended before it accepted a connection.
+    #[error("pgbouncer exited at start ({status}); its log:\n{log}")]
+    PgBouncerExited {
+        /// How it ended.
+        status: std::process::ExitStatus,
+        /// The end of its log.
+        log: String,
+    },
+    /// PgBouncer did not let a client run a query within the time allowed.
+    #[error("pgbouncer did not answer a query within {waited:?} ({last_error}); its log:\n{log}")]
+    PgBouncerNotReady {
+        /// How long the fixture waited.
+        waited: std::time::Duration,
+        /// The last connection's or query's error.
+        last_error: String,
+        /// The end of its log.
+        log: String,
+    },
+    /// A file or process operation failed.
+    #[error("{action}: {source}")]
+    Io {
+        /// What was being done.
+        action: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The server's message for a database error (tokio-postgres's own says `db error`).
+#[cfg(unix)]
+fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => e.to_string(),
+    }
+}
+
+/// A TCP port of `127.0.0.1` that was free a moment ago (the system's choice for a
+/// listener bound to port 0). Another process may take it before the caller binds it: a
+/// start that fails so tries another.
+#[cfg(unix)]
+pub(crate) fn free_port() -> Result<u16, FixtureError> {
+    std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .map_err(|source| FixtureError::Io {
+            action: "finding a free port on 127.0.0.1".into(),
+            source,
+        })
+}
 
 /// Connects with `config` and spawns the connection's task on the current runtime.
 ///

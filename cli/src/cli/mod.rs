@@ -249,7 +249,13 @@ impl TimeArg {
         match self {
             TimeArg::At(at) => Ok(at),
             TimeArg::Ago(ago) => {
-                let now: DateTime<Utc> = client.query_one("SELECT now()", &[]).await?.get(0);
+                // Unnamed (query_typed), like every statement of the operator commands:
+                // a named one would not survive a pooler in transaction mode.
+                let rows = client.query_typed("SELECT now()", &[]).await?;
+                let now: DateTime<Utc> = rows
+                    .first()
+                    .ok_or(pgbus::Error::Unexpected("SELECT now() returned no row"))?
+                    .try_get(0)?;
                 let ago = chrono::Duration::from_std(ago)
                     .map_err(|_| usage("error: the time is too far back"))?;
                 Ok(now - ago)

@@ -220,6 +220,20 @@ pub async fn signal(pid: u32, name: &str) {
     assert!(status.success(), "kill -{name} {pid}");
 }
 
+/// Publishes `p.one` (id `e1`) and `p.two` (id `e2`) and makes every delivery of them a
+/// dead letter after 3 attempts (`nope`), each with one failure record.
+pub async fn two_dead_letters(client: &tokio_postgres::Client) {
+    client
+        .batch_execute(
+            "SELECT pgbus.publish('p.one', id => 'e1'); SELECT pgbus.publish('p.two', id => 'e2'); \
+             UPDATE pgbus.deliveries SET status = 'dead', attempts = 3, last_error = 'nope'; \
+             INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error) \
+             SELECT subscription, event_seq, 3, 'nope' FROM pgbus.deliveries;",
+        )
+        .await
+        .unwrap();
+}
+
 /// A scratch directory of the test's own.
 pub fn scratch(name: &str) -> std::path::PathBuf {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
