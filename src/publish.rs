@@ -6,6 +6,11 @@
 //! rolls back. Each call is one round trip: a single statement, sent as an unnamed
 //! prepared statement with its parameter types, so it works behind transaction-mode
 //! poolers too.
+//!
+//! With the `sqlx` feature, `pgbus::sqlx` publishes through sqlx's executors with the
+//! same checks, statements and answers: [`Publisher::row`] and [`Publisher::columns`]
+//! make the parameters, [`one_sql`] and [`batch_sql`] are the statements, [`published`]
+//! and [`batch_published`] read the answer; only the sending differs.
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
@@ -117,7 +122,8 @@ const BATCH_TYPES: [Type; 14] = [
     Type::TEXT_ARRAY,
 ];
 
-fn one_sql() -> &'static str {
+/// The statement that publishes one event: its 14 parameters are a [`Row`]'s fields.
+pub(crate) fn one_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         format!(
@@ -126,13 +132,37 @@ fn one_sql() -> &'static str {
     })
 }
 
-fn batch_sql() -> &'static str {
+/// The statement that publishes a batch: its 14 parameters are a [`Columns`]' arrays.
+pub(crate) fn batch_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         format!(
             "{PUBLISH_HEAD}unnest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) AS {PUBLISH_COLUMNS}{PUBLISH_TAIL}"
         )
     })
+}
+
+/// The 14 parameters of a [`Row`] or [`Columns`], in the order of
+/// [`PUBLISH_COLUMNS`], each with the type given in `$types`.
+macro_rules! typed_params {
+    ($s:expr, $types:expr) => {
+        [
+            (&$s.id as &(dyn ToSql + Sync), $types[0].clone()),
+            (&$s.name, $types[1].clone()),
+            (&$s.version, $types[2].clone()),
+            (&$s.source, $types[3].clone()),
+            (&$s.aggregate_type, $types[4].clone()),
+            (&$s.aggregate_id, $types[5].clone()),
+            (&$s.correlation_id, $types[6].clone()),
+            (&$s.causation_id, $types[7].clone()),
+            (&$s.occurred_at, $types[8].clone()),
+            (&$s.payload, $types[9].clone()),
+            (&$s.headers, $types[10].clone()),
+            (&$s.deliver_at, $types[11].clone()),
+            (&$s.delay_ms, $types[12].clone()),
+            (&$s.ordering_key, $types[13].clone()),
+        ]
+    };
 }
 
 impl Publisher {
@@ -160,40 +190,10 @@ impl Publisher {
         client: &C,
         event: &Event,
     ) -> Result<Published> {
-        let enc = event.encode(self.max_payload_bytes)?;
-        let span = tracing::debug_span!(
-            "pgbus.publish",
-            messaging.system = "postgresql",
-            messaging.destination.name = %event.name,
-            messaging.message.id = %event.id,
-            messaging.batch.message_count = 1_i64,
-        );
-        let params: [(&(dyn ToSql + Sync), Type); 14] = [
-            (&event.id, PUBLISH_TYPES[0].clone()),
-            (&event.name, PUBLISH_TYPES[1].clone()),
-            (&event.version, PUBLISH_TYPES[2].clone()),
-            (&event.source, PUBLISH_TYPES[3].clone()),
-            (&event.aggregate_type, PUBLISH_TYPES[4].clone()),
-            (&event.aggregate_id, PUBLISH_TYPES[5].clone()),
-            (&event.correlation_id, PUBLISH_TYPES[6].clone()),
-            (&event.causation_id, PUBLISH_TYPES[7].clone()),
-            (&event.occurred_at, PUBLISH_TYPES[8].clone()),
-            (&enc.payload, PUBLISH_TYPES[9].clone()),
-            (&enc.headers, PUBLISH_TYPES[10].clone()),
-            (&event.deliver_at, PUBLISH_TYPES[11].clone()),
-            (&enc.delay_ms, PUBLISH_TYPES[12].clone()),
-            (&event.ordering_key, PUBLISH_TYPES[13].clone()),
-        ];
-        let rows = client
-            .client()
-            .query_typed(one_sql(), &params)
-            .instrument(span)
-            .await?;
-        match outcome(&rows)? {
-            (1, None) => Ok(Published::Inserted),
-            (_, Some(id)) => Err(Error::Conflict { id }),
-            _ => Ok(Published::Duplicate),
-        }
+        let row = self.row(event)?;
+        let params = typed_params!(row, PUBLISH_TYPES);
+        let (inserted, conflict) = send(client, one_sql(), &params, publish_span(event)).await?;
+        published(inserted, conflict)
     }
 
     /// Publishes many events in one statement in the client's current transaction. See
@@ -207,8 +207,42 @@ impl Publisher {
         client: &C,
         events: &[Event],
     ) -> Result<u64> {
-        if events.is_empty() {
+        let Some(columns) = self.columns(events)? else {
             return Ok(0);
+        };
+        let params = typed_params!(columns, BATCH_TYPES);
+        let (inserted, conflict) = send(client, batch_sql(), &params, batch_span(events)).await?;
+        batch_published(inserted, conflict)
+    }
+
+    /// One event checked and encoded as the single-event statement's parameters. Every
+    /// check runs here, before anything is sent.
+    pub(crate) fn row<'a>(&self, event: &'a Event) -> Result<Row<'a>> {
+        let enc = event.encode(self.max_payload_bytes)?;
+        Ok(Row {
+            id: &event.id,
+            name: &event.name,
+            version: event.version,
+            source: event.source.as_deref(),
+            aggregate_type: event.aggregate_type.as_deref(),
+            aggregate_id: event.aggregate_id.as_deref(),
+            correlation_id: event.correlation_id.as_deref(),
+            causation_id: event.causation_id.as_deref(),
+            occurred_at: event.occurred_at,
+            payload: enc.payload,
+            headers: enc.headers,
+            deliver_at: event.deliver_at,
+            delay_ms: enc.delay_ms,
+            ordering_key: event.ordering_key.as_deref(),
+        })
+    }
+
+    /// A batch checked and encoded as the batch statement's arrays, identical repeats of
+    /// an id dropped; `None` for an empty batch (nothing to send). Every check runs here,
+    /// before anything is sent.
+    pub(crate) fn columns<'a>(&self, events: &'a [Event]) -> Result<Option<Columns<'a>>> {
+        if events.is_empty() {
+            return Ok(None);
         }
         let mut columns = Columns::with_capacity(events.len());
         let mut seen = std::collections::HashMap::with_capacity(events.len());
@@ -227,104 +261,139 @@ impl Publisher {
             seen.insert(event.id.as_str(), i);
             columns.push(event, enc);
         }
-        let span = tracing::debug_span!(
-            "pgbus.publish",
-            messaging.system = "postgresql",
-            messaging.batch.message_count = events.len() as i64,
-        );
-        let rows = client
-            .client()
-            .query_typed(batch_sql(), &columns.params())
-            .instrument(span)
-            .await?;
-        match outcome(&rows)? {
-            (_, Some(id)) => Err(Error::Conflict { id }),
-            (inserted, None) => Ok(inserted as u64),
-        }
+        Ok(Some(columns))
     }
 }
 
-/// Reads the statement's one row: how many events were inserted, and the first id whose
-/// content conflicted.
-fn outcome(rows: &[tokio_postgres::Row]) -> Result<(i64, Option<String>)> {
+/// The tracing span of publishing one event.
+pub(crate) fn publish_span(event: &Event) -> tracing::Span {
+    tracing::debug_span!(
+        "pgbus.publish",
+        messaging.system = "postgresql",
+        messaging.destination.name = %event.name,
+        messaging.message.id = %event.id,
+        messaging.batch.message_count = 1_i64,
+    )
+}
+
+/// The tracing span of publishing a batch.
+pub(crate) fn batch_span(events: &[Event]) -> tracing::Span {
+    tracing::debug_span!(
+        "pgbus.publish",
+        messaging.system = "postgresql",
+        messaging.batch.message_count = events.len() as i64,
+    )
+}
+
+/// Sends a publish statement and reads its one row: how many events were inserted, and
+/// the first id whose content conflicted.
+async fn send<C: Executor + ?Sized>(
+    client: &C,
+    sql: &str,
+    params: &[(&(dyn ToSql + Sync), Type)],
+    span: tracing::Span,
+) -> Result<(i64, Option<String>)> {
+    let rows = client
+        .client()
+        .query_typed(sql, params)
+        .instrument(span)
+        .await?;
     let row = rows
         .first()
         .ok_or(Error::Unexpected("the publish statement returned no row"))?;
     Ok((row.try_get("inserted")?, row.try_get("conflict")?))
 }
 
-/// A batch as the publish statement's arrays, one per column.
-struct Columns<'a> {
-    ids: Vec<&'a str>,
-    names: Vec<&'a str>,
-    versions: Vec<i32>,
-    sources: Vec<Option<&'a str>>,
-    agg_types: Vec<Option<&'a str>>,
-    agg_ids: Vec<Option<&'a str>>,
-    correlations: Vec<Option<&'a str>>,
-    causations: Vec<Option<&'a str>>,
-    occurred: Vec<Option<DateTime<Utc>>>,
-    payloads: Vec<String>,
-    headers: Vec<String>,
-    deliver_at: Vec<Option<DateTime<Utc>>>,
-    delays: Vec<Option<i64>>,
-    keys: Vec<Option<&'a str>>,
+/// What the single-event statement's row (`inserted`, `conflict`) means.
+pub(crate) fn published(inserted: i64, conflict: Option<String>) -> Result<Published> {
+    match (inserted, conflict) {
+        (_, Some(id)) => Err(Error::Conflict { id }),
+        (1, None) => Ok(Published::Inserted),
+        _ => Ok(Published::Duplicate),
+    }
+}
+
+/// What the batch statement's row (`inserted`, `conflict`) means: how many were new.
+pub(crate) fn batch_published(inserted: i64, conflict: Option<String>) -> Result<u64> {
+    match conflict {
+        Some(id) => Err(Error::Conflict { id }),
+        None => Ok(inserted as u64),
+    }
+}
+
+/// One event as the single-event statement's parameters, in the order of
+/// [`PUBLISH_COLUMNS`] (the same field names as [`Columns`]).
+pub(crate) struct Row<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) name: &'a str,
+    pub(crate) version: i32,
+    pub(crate) source: Option<&'a str>,
+    pub(crate) aggregate_type: Option<&'a str>,
+    pub(crate) aggregate_id: Option<&'a str>,
+    pub(crate) correlation_id: Option<&'a str>,
+    pub(crate) causation_id: Option<&'a str>,
+    pub(crate) occurred_at: Option<DateTime<Utc>>,
+    pub(crate) payload: String,
+    pub(crate) headers: String,
+    pub(crate) deliver_at: Option<DateTime<Utc>>,
+    pub(crate) delay_ms: Option<i64>,
+    pub(crate) ordering_key: Option<&'a str>,
+}
+
+/// A batch as the publish statement's arrays, one per column, in the order of
+/// [`PUBLISH_COLUMNS`].
+pub(crate) struct Columns<'a> {
+    pub(crate) id: Vec<&'a str>,
+    pub(crate) name: Vec<&'a str>,
+    pub(crate) version: Vec<i32>,
+    pub(crate) source: Vec<Option<&'a str>>,
+    pub(crate) aggregate_type: Vec<Option<&'a str>>,
+    pub(crate) aggregate_id: Vec<Option<&'a str>>,
+    pub(crate) correlation_id: Vec<Option<&'a str>>,
+    pub(crate) causation_id: Vec<Option<&'a str>>,
+    pub(crate) occurred_at: Vec<Option<DateTime<Utc>>>,
+    pub(crate) payload: Vec<String>,
+    pub(crate) headers: Vec<String>,
+    pub(crate) deliver_at: Vec<Option<DateTime<Utc>>>,
+    pub(crate) delay_ms: Vec<Option<i64>>,
+    pub(crate) ordering_key: Vec<Option<&'a str>>,
 }
 
 impl<'a> Columns<'a> {
     fn with_capacity(n: usize) -> Self {
         Columns {
-            ids: Vec::with_capacity(n),
-            names: Vec::with_capacity(n),
-            versions: Vec::with_capacity(n),
-            sources: Vec::with_capacity(n),
-            agg_types: Vec::with_capacity(n),
-            agg_ids: Vec::with_capacity(n),
-            correlations: Vec::with_capacity(n),
-            causations: Vec::with_capacity(n),
-            occurred: Vec::with_capacity(n),
-            payloads: Vec::with_capacity(n),
+            id: Vec::with_capacity(n),
+            name: Vec::with_capacity(n),
+            version: Vec::with_capacity(n),
+            source: Vec::with_capacity(n),
+            aggregate_type: Vec::with_capacity(n),
+            aggregate_id: Vec::with_capacity(n),
+            correlation_id: Vec::with_capacity(n),
+            causation_id: Vec::with_capacity(n),
+            occurred_at: Vec::with_capacity(n),
+            payload: Vec::with_capacity(n),
             headers: Vec::with_capacity(n),
             deliver_at: Vec::with_capacity(n),
-            delays: Vec::with_capacity(n),
-            keys: Vec::with_capacity(n),
+            delay_ms: Vec::with_capacity(n),
+            ordering_key: Vec::with_capacity(n),
         }
     }
 
     fn push(&mut self, event: &'a Event, enc: Encoded) {
-        self.ids.push(&event.id);
-        self.names.push(&event.name);
-        self.versions.push(event.version);
-        self.sources.push(event.source.as_deref());
-        self.agg_types.push(event.aggregate_type.as_deref());
-        self.agg_ids.push(event.aggregate_id.as_deref());
-        self.correlations.push(event.correlation_id.as_deref());
-        self.causations.push(event.causation_id.as_deref());
-        self.occurred.push(event.occurred_at);
-        self.payloads.push(enc.payload);
+        self.id.push(&event.id);
+        self.name.push(&event.name);
+        self.version.push(event.version);
+        self.source.push(event.source.as_deref());
+        self.aggregate_type.push(event.aggregate_type.as_deref());
+        self.aggregate_id.push(event.aggregate_id.as_deref());
+        self.correlation_id.push(event.correlation_id.as_deref());
+        self.causation_id.push(event.causation_id.as_deref());
+        self.occurred_at.push(event.occurred_at);
+        self.payload.push(enc.payload);
         self.headers.push(enc.headers);
         self.deliver_at.push(event.deliver_at);
-        self.delays.push(enc.delay_ms);
-        self.keys.push(event.ordering_key.as_deref());
-    }
-
-    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 14] {
-        [
-            (&self.ids, BATCH_TYPES[0].clone()),
-            (&self.names, BATCH_TYPES[1].clone()),
-            (&self.versions, BATCH_TYPES[2].clone()),
-            (&self.sources, BATCH_TYPES[3].clone()),
-            (&self.agg_types, BATCH_TYPES[4].clone()),
-            (&self.agg_ids, BATCH_TYPES[5].clone()),
-            (&self.correlations, BATCH_TYPES[6].clone()),
-            (&self.causations, BATCH_TYPES[7].clone()),
-            (&self.occurred, BATCH_TYPES[8].clone()),
-            (&self.payloads, BATCH_TYPES[9].clone()),
-            (&self.headers, BATCH_TYPES[10].clone()),
-            (&self.deliver_at, BATCH_TYPES[11].clone()),
-            (&self.delays, BATCH_TYPES[12].clone()),
-            (&self.keys, BATCH_TYPES[13].clone()),
-        ]
+        self.delay_ms.push(enc.delay_ms);
+        self.ordering_key.push(event.ordering_key.as_deref());
     }
 }
 

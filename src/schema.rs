@@ -4,8 +4,14 @@
 //! in its own transaction under a transaction-scoped advisory lock and recorded, with a
 //! checksum, in `pgbus.schema_migrations`; running `migrate` twice, or from two processes
 //! at once, applies each migration exactly once.
+//!
+//! The steps are `run`'s, over a `Session`: [`migrate`] runs them on a tokio-postgres
+//! client, `pgbus::sqlx::migrate` (the `sqlx` feature) on a sqlx connection.
 
-use crate::admin::one_row;
+use std::future::Future;
+
+use tokio_postgres::types::Type;
+
 use crate::error::{Error, Result};
 
 /// One numbered migration from `sql/`.
@@ -94,9 +100,19 @@ pub fn check_server_version(server_version_num: i32) -> Result<()> {
 
 /// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,
 /// fixed so that every version of pgbus uses the same one).
-const MIGRATE_LOCK_KEY: i64 = 0x7067_6275_735f_6d67; // "pgbus_mg"
+pub(crate) const MIGRATE_LOCK_KEY: i64 = 0x7067_6275_735f_6d67; // "pgbus_mg"
 
-const BOOTSTRAP: &str = "\
+/// What `migrate` asks of the server before it writes anything: `version`, its
+/// `server_version_num`, and `encoding`, the database's. Sent outside a transaction.
+pub(crate) const SERVER: &str = "SELECT current_setting('server_version_num')::int AS version, \
+     (SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()) \
+     AS encoding";
+
+/// Takes the migration lock for the transaction. `$1 int8`: [`MIGRATE_LOCK_KEY`].
+pub(crate) const LOCK: &str = "SELECT pg_advisory_xact_lock($1)";
+
+/// Makes sure that the table that records migrations exists (simple query protocol).
+pub(crate) const BOOTSTRAP: &str = "\
 CREATE SCHEMA IF NOT EXISTS pgbus;
 CREATE TABLE IF NOT EXISTS pgbus.schema_migrations (
     version    integer     PRIMARY KEY,
@@ -105,11 +121,64 @@ CREATE TABLE IF NOT EXISTS pgbus.schema_migrations (
     applied_at timestamptz NOT NULL DEFAULT now()
 );";
 
+/// Whether a migration is recorded, and with the same content: no row, or `same`.
+/// `$1 int4` version, `$2 text` its SQL.
+pub(crate) const RECORDED: &str = "SELECT checksum = md5($2::text) AS same \
+     FROM pgbus.schema_migrations WHERE version = $1";
+
+/// Records an applied migration. `$1 int4` version, `$2 text` name, `$3 text` its SQL.
+pub(crate) const RECORD: &str = "INSERT INTO pgbus.schema_migrations (version, name, checksum) \
+     VALUES ($1, $2, md5($3::text))";
+
+/// A connection that `migrate` runs on: the tokio-postgres and the sqlx paths differ only
+/// here, in how each statement is sent. Every statement sent outside the migrations'
+/// transactions is an unnamed one, so that it works behind a transaction-mode pooler.
+pub(crate) trait Session: Send {
+    /// A transaction on this connection.
+    type Tx<'t>: SessionTx
+    where
+        Self: 't;
+
+    /// [`SERVER`]'s row: the server's version and the database's encoding.
+    fn server(&mut self) -> impl Future<Output = Result<(i32, String)>> + Send;
+
+    /// Begins a transaction.
+    fn begin(&mut self) -> impl Future<Output = Result<Self::Tx<'_>>> + Send;
+}
+
+/// A transaction of a [`Session`], in which one migration is applied.
+pub(crate) trait SessionTx: Send {
+    /// Runs [`LOCK`] with [`MIGRATE_LOCK_KEY`].
+    fn lock(&mut self) -> impl Future<Output = Result<()>> + Send;
+
+    /// Runs statements without parameters with the simple query protocol.
+    fn batch(&mut self, sql: &'static str) -> impl Future<Output = Result<()>> + Send;
+
+    /// Runs [`RECORDED`] for `migration`: `None` when it is not recorded.
+    fn recorded(
+        &mut self,
+        migration: &Migration,
+    ) -> impl Future<Output = Result<Option<bool>>> + Send;
+
+    /// Runs [`RECORD`] for `migration`.
+    fn record(&mut self, migration: &Migration) -> impl Future<Output = Result<()>> + Send;
+
+    /// Commits.
+    fn commit(self) -> impl Future<Output = Result<()>> + Send;
+
+    /// Rolls back.
+    fn rollback(self) -> impl Future<Output = Result<()>> + Send;
+}
+
 /// Applies the migrations this database lacks and returns those it applied (empty when
 /// the schema was already current).
 ///
 /// Safe to run concurrently from several processes: each migration runs in its own
 /// transaction under an advisory lock, and a migration already recorded is skipped.
+///
+/// Behind a transaction-mode pooler (PgBouncer), each statement outside the migrations'
+/// transactions is an unnamed one: nothing relies on a server connection beyond a
+/// transaction.
 ///
 /// # Errors
 ///
@@ -120,27 +189,17 @@ CREATE TABLE IF NOT EXISTS pgbus.schema_migrations (
 /// [`Error::MigrationDrift`] when a migration recorded as applied has different content
 /// from the one this binary carries.
 pub async fn migrate(client: &tokio_postgres::Client) -> Result<Vec<Migration>> {
+    run(&mut TokioSession(client)).await
+}
+
+/// The migrations, on any [`Session`]: what `migrate` does, whichever driver sends it.
+pub(crate) async fn run<S: Session>(session: &mut S) -> Result<Vec<Migration>> {
     // Before anything is written: an older server would fail halfway through the
-    // migrations, with an error that does not say why. The statements outside the
-    // migrations' transactions are sent unnamed, so that `migrate` works behind a pooler
-    // in transaction mode too.
-    let version: i32 = one_row(
-        client,
-        "SELECT current_setting('server_version_num')::int AS version",
-        &[],
-    )
-    .await?
-    .try_get("version")?;
+    // migrations, with an error that does not say why.
+    let (version, encoding) = session.server().await?;
     check_server_version(version)?;
     // SQL_ASCII stores text bytes unchecked: a row that is not valid UTF-8 could never
     // be sent to pgbus, and every claim of its subscription would fail.
-    let encoding: String = one_row(
-        client,
-        "SELECT pg_encoding_to_char(encoding) AS encoding FROM pg_database WHERE datname = current_database()",
-        &[],
-    )
-    .await?
-    .try_get("encoding")?;
     if encoding == "SQL_ASCII" {
         return Err(Error::Invalid {
             what: "database encoding",
@@ -151,10 +210,10 @@ pub async fn migrate(client: &tokio_postgres::Client) -> Result<Vec<Migration>> 
     }
     let mut applied = Vec::new();
     for migration in MIGRATIONS {
-        client.batch_execute("BEGIN").await?;
-        match apply_one(client, migration).await {
+        let mut tx = session.begin().await?;
+        match apply_one(&mut tx, migration).await {
             Ok(did_apply) => {
-                client.batch_execute("COMMIT").await?;
+                tx.commit().await?;
                 if did_apply {
                     tracing::info!(
                         version = migration.version,
@@ -166,7 +225,7 @@ pub async fn migrate(client: &tokio_postgres::Client) -> Result<Vec<Migration>> 
             }
             Err(e) => {
                 // The connection may be gone; the original error is the one that matters.
-                let _ = client.batch_execute("ROLLBACK").await;
+                let _ = tx.rollback().await;
                 return Err(e);
             }
         }
@@ -174,33 +233,92 @@ pub async fn migrate(client: &tokio_postgres::Client) -> Result<Vec<Migration>> 
     Ok(applied)
 }
 
-async fn apply_one(client: &tokio_postgres::Client, migration: &Migration) -> Result<bool> {
-    client
-        .execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATE_LOCK_KEY])
-        .await?;
-    client.batch_execute(BOOTSTRAP).await?;
-    let recorded = client
-        .query_opt(
-            "SELECT checksum = md5($2::text) AS same FROM pgbus.schema_migrations WHERE version = $1",
-            &[&migration.version, &migration.sql],
-        )
-        .await?;
-    match recorded {
-        Some(row) if row.try_get::<_, bool>("same")? => Ok(false),
-        Some(_) => Err(Error::MigrationDrift {
+async fn apply_one<T: SessionTx>(tx: &mut T, migration: &Migration) -> Result<bool> {
+    tx.lock().await?;
+    tx.batch(BOOTSTRAP).await?;
+    match tx.recorded(migration).await? {
+        Some(true) => Ok(false),
+        Some(false) => Err(Error::MigrationDrift {
             version: migration.version,
         }),
         None => {
-            client.batch_execute(migration.sql).await?;
-            client
-                .execute(
-                    "INSERT INTO pgbus.schema_migrations (version, name, checksum) \
-                     VALUES ($1, $2, md5($3::text))",
-                    &[&migration.version, &migration.name, &migration.sql],
-                )
-                .await?;
+            tx.batch(migration.sql).await?;
+            tx.record(migration).await?;
             Ok(true)
         }
+    }
+}
+
+/// A tokio-postgres client as a [`Session`]: its transactions are explicit `BEGIN` and
+/// `COMMIT` (the client is shared, not borrowed mutably), its statements unnamed
+/// (`query_typed`).
+struct TokioSession<'c>(&'c tokio_postgres::Client);
+
+impl Session for TokioSession<'_> {
+    type Tx<'t>
+        = TokioTx<'t>
+    where
+        Self: 't;
+
+    async fn server(&mut self) -> Result<(i32, String)> {
+        let row = self.0.query_typed_one(SERVER, &[]).await?;
+        Ok((row.try_get("version")?, row.try_get("encoding")?))
+    }
+
+    async fn begin(&mut self) -> Result<TokioTx<'_>> {
+        self.0.batch_execute("BEGIN").await?;
+        Ok(TokioTx(self.0))
+    }
+}
+
+struct TokioTx<'c>(&'c tokio_postgres::Client);
+
+impl SessionTx for TokioTx<'_> {
+    async fn lock(&mut self) -> Result<()> {
+        self.0
+            .execute_typed(LOCK, &[(&MIGRATE_LOCK_KEY, Type::INT8)])
+            .await?;
+        Ok(())
+    }
+
+    async fn batch(&mut self, sql: &'static str) -> Result<()> {
+        Ok(self.0.batch_execute(sql).await?)
+    }
+
+    async fn recorded(&mut self, migration: &Migration) -> Result<Option<bool>> {
+        let row = self
+            .0
+            .query_typed_opt(
+                RECORDED,
+                &[
+                    (&migration.version, Type::INT4),
+                    (&migration.sql, Type::TEXT),
+                ],
+            )
+            .await?;
+        Ok(row.map(|row| row.try_get("same")).transpose()?)
+    }
+
+    async fn record(&mut self, migration: &Migration) -> Result<()> {
+        self.0
+            .execute_typed(
+                RECORD,
+                &[
+                    (&migration.version, Type::INT4),
+                    (&migration.name, Type::TEXT),
+                    (&migration.sql, Type::TEXT),
+                ],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn commit(self) -> Result<()> {
+        Ok(self.0.batch_execute("COMMIT").await?)
+    }
+
+    async fn rollback(self) -> Result<()> {
+        Ok(self.0.batch_execute("ROLLBACK").await?)
     }
 }
 
@@ -211,22 +329,22 @@ async fn apply_one(client: &tokio_postgres::Client, migration: &Migration) -> Re
 ///
 /// [`Error::Database`] when the query fails.
 pub async fn schema_version(client: &tokio_postgres::Client) -> Result<Option<i32>> {
-    let exists: bool = one_row(
-        client,
-        "SELECT to_regclass('pgbus.schema_migrations') IS NOT NULL AS migrated",
-        &[],
-    )
-    .await?
-    .try_get("migrated")?;
+    let exists: bool = client
+        .query_typed_one(
+            "SELECT to_regclass('pgbus.schema_migrations') IS NOT NULL AS migrated",
+            &[],
+        )
+        .await?
+        .try_get("migrated")?;
     if !exists {
         return Ok(None);
     }
-    let row = one_row(
-        client,
-        "SELECT max(version) AS version FROM pgbus.schema_migrations",
-        &[],
-    )
-    .await?;
+    let row = client
+        .query_typed_one(
+            "SELECT max(version) AS version FROM pgbus.schema_migrations",
+            &[],
+        )
+        .await?;
     Ok(row.try_get("version")?)
 }
 

@@ -1,6 +1,8 @@
 //! Migrations: idempotent, safe to run concurrently, and checked against drift.
 
 mod common;
+#[path = "shared/migrations.rs"]
+mod migrations;
 
 /// A description of every pgbus object, to compare schemas.
 async fn describe(client: &tokio_postgres::Client) -> Vec<String> {
@@ -74,12 +76,7 @@ async fn concurrent_migrations_from_two_connections_apply_once() {
     let a = db.connect().await;
     let b = db.connect().await;
     let (ra, rb) = tokio::join!(pgbus::migrate(&a), pgbus::migrate(&b));
-    let (ra, rb) = (ra.unwrap(), rb.unwrap());
-    assert_eq!(
-        ra.len() + rb.len(),
-        pgbus::schema::MIGRATIONS.len(),
-        "each migration applied by exactly one of them: {ra:?} {rb:?}"
-    );
+    migrations::assert_each_applied_once(ra, rb);
     assert_eq!(describe(&client).await, reference);
 }
 
@@ -87,15 +84,8 @@ async fn concurrent_migrations_from_two_connections_apply_once() {
 async fn a_changed_migration_is_reported_as_drift() {
     let db = common::test_db().await;
     let client = db.connect().await;
-    client
-        .batch_execute("UPDATE pgbus.schema_migrations SET checksum = 'edited' WHERE version = 1")
-        .await
-        .unwrap();
-    let err = pgbus::migrate(&client).await.unwrap_err();
-    assert!(
-        matches!(err, pgbus::Error::MigrationDrift { version: 1 }),
-        "{err:?}"
-    );
+    migrations::edit_first_migration(&client).await;
+    migrations::assert_first_migration_drifted(pgbus::migrate(&client).await);
 }
 
 /// A SQL_ASCII database keeps text bytes unchecked, so a row pgbus could never read could

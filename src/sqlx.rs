@@ -1,0 +1,257 @@
+//! Publishing and migrating through sqlx (the `sqlx` Cargo feature).
+//!
+//! A service built on sqlx publishes its events in its own sqlx transaction, with the
+//! business writes: [`publish`] and [`publish_batch`] take any sqlx PostgreSQL executor
+//! (`&mut *tx` for a `sqlx::Transaction`, a `&mut PgConnection`, a `&PgPool`) and never
+//! begin or commit. They are [`crate::publish`] and [`crate::publish_batch`] sent through
+//! sqlx: the same statement, the same checks before anything is sent (a refused event is
+//! the same [`Error::Invalid`] and leaves the transaction usable), the same idempotency
+//! ([`Published::Duplicate`] for an identical event with the same id, [`Error::Conflict`]
+//! for different content, writing nothing). [`migrate`] applies the same migrations as
+//! [`crate::migrate`], under the same lock and checks.
+//!
+//! ```toml
+//! pgbus = { version = "0.1", features = ["sqlx"] }
+//! ```
+//!
+//! ```no_run
+//! use pgbus::Event;
+//! use serde_json::json;
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://localhost/app").await?;
+//! pgbus::sqlx::migrate(&pool).await?; // once per database; also `pgbus migrate`
+//!
+//! let mut tx = pool.begin().await?;
+//! sqlx::query("UPDATE orders SET state = 'placed' WHERE id = $1")
+//!     .bind(42_i64)
+//!     .execute(&mut *tx)
+//!     .await?;
+//! let event = Event::new("order.placed", json!({"order_id": 42})).aggregate("order", "42");
+//! pgbus::sqlx::publish(&mut *tx, &event).await?;
+//! tx.commit().await?; // the event is delivered only if this commits
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Each statement is sent unnamed (`persistent(false)`): sqlx prepares it and then binds
+//! it, two round trips instead of one for a cached statement, and nothing is left on the
+//! server connection beyond the transaction, so it works inside a transaction behind a
+//! transaction-mode pooler. A failure of sqlx or PostgreSQL is [`Error::Sqlx`]:
+//! [`Error::code`], [`Error::is_connection`] and [`Error::is_transient`] answer as they
+//! do for tokio-postgres.
+//!
+//! sqlx 0.9 needs Rust 1.94 or newer.
+
+use ::sqlx::postgres::{PgArguments, PgConnection};
+use ::sqlx::query::Query;
+use ::sqlx::{Acquire, Connection, PgExecutor, Postgres, Row as _, Transaction};
+use tracing::Instrument;
+
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
+use crate::event::Event;
+use crate::publish::{
+    Published, Publisher, batch_published, batch_span, batch_sql, one_sql, publish_span, published,
+};
+use crate::schema::{
+    LOCK, MIGRATE_LOCK_KEY, Migration, RECORD, RECORDED, SERVER, Session, SessionTx,
+};
+
+pub use crate::error::SqlxError;
+
+/// Binds the 14 parameters of a [`Row`](crate::publish::Row) or a
+/// [`Columns`](crate::publish::Columns), in the order of the publish statement.
+macro_rules! bind_params {
+    ($query:expr, $s:expr) => {
+        $query
+            .bind(&$s.id)
+            .bind(&$s.name)
+            .bind(&$s.version)
+            .bind(&$s.source)
+            .bind(&$s.aggregate_type)
+            .bind(&$s.aggregate_id)
+            .bind(&$s.correlation_id)
+            .bind(&$s.causation_id)
+            .bind(&$s.occurred_at)
+            .bind(&$s.payload)
+            .bind(&$s.headers)
+            .bind(&$s.deliver_at)
+            .bind(&$s.delay_ms)
+            .bind(&$s.ordering_key)
+    };
+}
+
+/// An unnamed statement (see the module's documentation).
+fn statement(sql: &'static str) -> Query<'static, Postgres, PgArguments> {
+    ::sqlx::query(sql).persistent(false)
+}
+
+/// Publishes one event through a sqlx executor, in its current transaction, if any.
+///
+/// [`crate::publish`] for sqlx: `executor` is `&mut *tx` (a `sqlx::Transaction`), a
+/// `&mut PgConnection` or a `&PgPool` (then the statement is its own transaction).
+/// Nothing is visible to consumers before COMMIT, and nothing is left after ROLLBACK.
+///
+/// # Errors
+///
+/// - [`Error::Invalid`] for bad input (name, id, headers, `\u0000`, size); nothing is
+///   sent, and the transaction is still usable.
+/// - [`Error::Conflict`] when the id is in the log with different content. Nothing was
+///   written; the transaction is still usable and decides what follows.
+/// - [`Error::Sqlx`] when PostgreSQL refuses the statement or the connection fails (a
+///   database never migrated says so).
+pub async fn publish<'c, E: PgExecutor<'c>>(executor: E, event: &Event) -> Result<Published> {
+    publish_with(&Publisher::default(), executor, event).await
+}
+
+/// Publishes many events in one statement through a sqlx executor, and returns how many
+/// were new: [`crate::publish_batch`] for sqlx.
+///
+/// Identical repeats of an id (in the batch or in the log) are skipped.
+///
+/// # Errors
+///
+/// As [`publish`]; with a [`Error::Conflict`] or [`Error::Invalid`] nothing of the batch
+/// is written.
+pub async fn publish_batch<'c, E: PgExecutor<'c>>(executor: E, events: &[Event]) -> Result<u64> {
+    publish_batch_with(&Publisher::default(), executor, events).await
+}
+
+/// [`publish`] with a [`Publisher`]'s limits.
+///
+/// # Errors
+///
+/// As [`publish`].
+pub async fn publish_with<'c, E: PgExecutor<'c>>(
+    publisher: &Publisher,
+    executor: E,
+    event: &Event,
+) -> Result<Published> {
+    let row = publisher.row(event)?;
+    let query = bind_params!(statement(one_sql()), row);
+    let (inserted, conflict) = send(query, executor, publish_span(event)).await?;
+    published(inserted, conflict)
+}
+
+/// [`publish_batch`] with a [`Publisher`]'s limits.
+///
+/// # Errors
+///
+/// As [`publish_batch`].
+pub async fn publish_batch_with<'c, E: PgExecutor<'c>>(
+    publisher: &Publisher,
+    executor: E,
+    events: &[Event],
+) -> Result<u64> {
+    let Some(columns) = publisher.columns(events)? else {
+        return Ok(0);
+    };
+    let query = bind_params!(statement(batch_sql()), columns);
+    let (inserted, conflict) = send(query, executor, batch_span(events)).await?;
+    batch_published(inserted, conflict)
+}
+
+/// Sends a publish statement and reads its row: how many events were inserted, and the
+/// first id whose content conflicted.
+async fn send<'c, E: PgExecutor<'c>>(
+    query: Query<'_, Postgres, PgArguments>,
+    executor: E,
+    span: tracing::Span,
+) -> Result<(i64, Option<String>)> {
+    let row = query.fetch_one(executor).instrument(span).await?;
+    Ok((row.try_get("inserted")?, row.try_get("conflict")?))
+}
+
+/// Applies the migrations this database lacks and returns those it applied (empty when
+/// the schema was already current): [`crate::migrate`] through sqlx.
+///
+/// `conn` is anything sqlx can take a connection from: a `&PgPool` (one connection is
+/// held for the whole run) or a `&mut PgConnection`. The same migrations, each in its
+/// own transaction under the same advisory lock, recorded with the same checksums, so
+/// either function finds the other's work done; safe to run concurrently from several
+/// connections and processes.
+///
+/// ```no_run
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), pgbus::Error> {
+/// let applied = pgbus::sqlx::migrate(&pool).await?;
+/// println!("{} migrations applied", applied.len());
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::UnsupportedServer`] for a server older than
+/// [`MIN_SERVER_VERSION`](crate::schema::MIN_SERVER_VERSION) and [`Error::Invalid`] for
+/// a database whose encoding is `SQL_ASCII` (nothing is written in either case),
+/// [`Error::Sqlx`] when a statement fails (the failing migration is rolled back), and
+/// [`Error::MigrationDrift`] when a migration recorded as applied has different content
+/// from the one this binary carries.
+pub async fn migrate<'a, A: Acquire<'a, Database = Postgres>>(conn: A) -> Result<Vec<Migration>> {
+    let mut conn = conn.acquire().await?;
+    crate::schema::run(&mut SqlxSession(&mut conn)).await
+}
+
+/// A sqlx connection as a migration [`Session`]: its transactions are sqlx's (rolled back
+/// if dropped), its statements unnamed.
+struct SqlxSession<'c>(&'c mut PgConnection);
+
+impl Session for SqlxSession<'_> {
+    type Tx<'t>
+        = Transaction<'t, Postgres>
+    where
+        Self: 't;
+
+    async fn server(&mut self) -> Result<(i32, String)> {
+        let row = statement(SERVER).fetch_one(&mut *self.0).await?;
+        Ok((row.try_get("version")?, row.try_get("encoding")?))
+    }
+
+    async fn begin(&mut self) -> Result<Transaction<'_, Postgres>> {
+        Ok(Connection::begin(&mut *self.0).await?)
+    }
+}
+
+impl SessionTx for Transaction<'_, Postgres> {
+    async fn lock(&mut self) -> Result<()> {
+        statement(LOCK)
+            .bind(MIGRATE_LOCK_KEY)
+            .execute(&mut **self)
+            .await?;
+        Ok(())
+    }
+
+    async fn batch(&mut self, sql: &'static str) -> Result<()> {
+        ::sqlx::raw_sql(sql).execute(&mut **self).await?;
+        Ok(())
+    }
+
+    async fn recorded(&mut self, migration: &Migration) -> Result<Option<bool>> {
+        let row = statement(RECORDED)
+            .bind(migration.version)
+            .bind(migration.sql)
+            .fetch_optional(&mut **self)
+            .await?;
+        Ok(row.map(|row| row.try_get("same")).transpose()?)
+    }
+
+    async fn record(&mut self, migration: &Migration) -> Result<()> {
+        statement(RECORD)
+            .bind(migration.version)
+            .bind(migration.name)
+            .bind(migration.sql)
+            .execute(&mut **self)
+            .await?;
+        Ok(())
+    }
+
+    async fn commit(self) -> Result<()> {
+        Ok(Transaction::commit(self).await?)
+    }
+
+    async fn rollback(self) -> Result<()> {
+        Ok(Transaction::rollback(self).await?)
+    }
+}

@@ -1,0 +1,516 @@
+//! Publishing and migrating through sqlx (`pgbus::sqlx`, the `sqlx` feature): in a sqlx
+//! transaction that commits or rolls back, through each kind of executor, in batches,
+//! with the same idempotency, validation and errors as the tokio-postgres path.
+
+mod common;
+#[path = "shared/migrations.rs"]
+mod migrations;
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use pgbus::{Bus, Error, Event, Published, RunningBus, Subscription};
+use serde_json::json;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio_postgres::config::Host;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// sqlx's options for the test's database (the same server, user and database as
+/// `db.config()`).
+fn options(db: &common::TestDb) -> PgConnectOptions {
+    let config = db.config();
+    let mut options = PgConnectOptions::new_without_pgpass().ssl_mode(PgSslMode::Disable);
+    match config.get_hosts().first() {
+        Some(Host::Tcp(host)) => options = options.host(host),
+        Some(Host::Unix(dir)) => options = options.socket(dir),
+        None => {}
+    }
+    if let Some(port) = config.get_ports().first() {
+        options = options.port(*port);
+    }
+    if let Some(user) = config.get_user() {
+        options = options.username(user);
+    }
+    if let Some(password) = config.get_password() {
+        options = options.password(std::str::from_utf8(password).unwrap());
+    }
+    options.database(db.name())
+}
+
+async fn pool(db: &common::TestDb) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options(db))
+        .await
+        .unwrap()
+}
+
+async fn connection(db: &common::TestDb) -> PgConnection {
+    PgConnection::connect_with(&options(db)).await.unwrap()
+}
+
+async fn events(client: &tokio_postgres::Client) -> Vec<String> {
+    client
+        .query("SELECT id FROM pgbus.events ORDER BY seq", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// A started bus with one in-process subscription to `order.*`, listening.
+async fn start_bus(db: &common::TestDb) -> (RunningBus, Subscription) {
+    let mut bus = Bus::builder(db.config())
+        .poll_interval(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let stream = bus.subscribe("orders", ["order.*"]).unwrap();
+    let running = bus.start().await.unwrap();
+    common::wait_for("the listener to connect", WAIT, || async {
+        running.is_listening()
+    })
+    .await;
+    (running, stream)
+}
+
+/// The next delivery's event id, acknowledged.
+async fn next_id(stream: &mut Subscription) -> String {
+    let delivery = common::within("a delivery", WAIT, stream.next())
+        .await
+        .expect("the stream ended");
+    let id = delivery.event().id.clone();
+    delivery.ack().await.unwrap();
+    id
+}
+
+#[tokio::test]
+async fn an_event_published_in_a_rolled_back_sqlx_transaction_is_never_delivered() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let pool = pool(&db).await;
+    let (running, mut stream) = start_bus(&db).await;
+
+    let mut tx = pool.begin().await.unwrap();
+    let outcome = pgbus::sqlx::publish(
+        &mut *tx,
+        &Event::new("order.cancelled", json!({})).id("rolled-back"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(outcome, Published::Inserted);
+    tx.rollback().await.unwrap();
+    assert!(events(&client).await.is_empty());
+
+    // A marker committed after it: once the marker is delivered, the rolled-back event,
+    // older, would have been delivered before it.
+    let mut tx = pool.begin().await.unwrap();
+    pgbus::sqlx::publish(
+        &mut *tx,
+        &Event::new("order.placed", json!({})).id("marker"),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(next_id(&mut stream).await, "marker");
+    assert_eq!(events(&client).await, ["marker"]);
+    common::wait_settled(&client, "the marker's delivery").await;
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_event_published_in_a_committed_sqlx_transaction_is_delivered() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    client
+        .batch_execute("CREATE TABLE orders (id bigint PRIMARY KEY, state text NOT NULL)")
+        .await
+        .unwrap();
+    let pool = pool(&db).await;
+    let (running, mut stream) = start_bus(&db).await;
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (id, state) VALUES ($1, 'placed')")
+        .bind(42_i64)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let event = Event::new("order.placed", json!({"order_id": 42}))
+        .id("order-42-placed")
+        .aggregate("order", "42");
+    pgbus::sqlx::publish(&mut *tx, &event).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let delivery = common::within("the delivery", WAIT, stream.next())
+        .await
+        .unwrap();
+    assert_eq!(delivery.event().id, "order-42-placed");
+    assert_eq!(delivery.event().payload, json!({"order_id": 42}));
+    assert_eq!(delivery.event().aggregate_id.as_deref(), Some("42"));
+    delivery.ack().await.unwrap();
+    common::wait_settled(&client, "the delivery").await;
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_kind_of_sqlx_executor_publishes() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let pool = pool(&db).await;
+    let mut conn = connection(&db).await;
+
+    let mut tx = pool.begin().await.unwrap();
+    let in_tx = pgbus::sqlx::publish(&mut *tx, &Event::new("order.a", json!(1)).id("tx"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let on_connection =
+        pgbus::sqlx::publish(&mut conn, &Event::new("order.b", json!(2)).id("connection"))
+            .await
+            .unwrap();
+    let on_pool = pgbus::sqlx::publish(&pool, &Event::new("order.c", json!(3)).id("pool"))
+        .await
+        .unwrap();
+    let mut pooled = pool.acquire().await.unwrap();
+    let on_pooled =
+        pgbus::sqlx::publish(&mut *pooled, &Event::new("order.d", json!(4)).id("pooled"))
+            .await
+            .unwrap();
+    let mut conn_tx = conn.begin().await.unwrap();
+    let batch = pgbus::sqlx::publish_batch(
+        &mut *conn_tx,
+        &[Event::new("order.e", json!(5)).id("connection-tx")],
+    )
+    .await
+    .unwrap();
+    conn_tx.commit().await.unwrap();
+
+    assert_eq!(
+        [in_tx, on_connection, on_pool, on_pooled],
+        [Published::Inserted; 4]
+    );
+    assert_eq!(batch, 1);
+    assert_eq!(
+        events(&client).await,
+        ["tx", "connection", "pool", "pooled", "connection-tx"]
+    );
+}
+
+#[tokio::test]
+async fn a_batch_published_through_sqlx_is_delivered_whole_in_seq_order() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let pool = pool(&db).await;
+    let (running, mut stream) = start_bus(&db).await;
+
+    let batch: Vec<Event> = (0..5)
+        .map(|i| Event::new("order.placed", json!({"n": i})).id(format!("batch-{i}")))
+        .collect();
+    let mut tx = pool.begin().await.unwrap();
+    let inserted = pgbus::sqlx::publish_batch(&mut *tx, &batch).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(inserted, 5);
+    let ids: Vec<String> = batch.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(
+        events(&client).await,
+        ids,
+        "the log's seq follows the batch"
+    );
+
+    let mut seen = Vec::new();
+    let mut last_seq = 0;
+    for _ in 0..5 {
+        let delivery = common::within("the batch's deliveries", WAIT, stream.next())
+            .await
+            .unwrap();
+        let seq = delivery.event().seq.unwrap();
+        assert!(
+            seq > last_seq,
+            "delivered out of seq order: {seq} after {last_seq}"
+        );
+        last_seq = seq;
+        seen.push(delivery.event().id.clone());
+        delivery.ack().await.unwrap();
+    }
+    assert_eq!(seen, ids);
+    common::wait_settled(&client, "the batch's deliveries").await;
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_same_id_twice_is_a_duplicate_as_through_tokio_postgres() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let pool = pool(&db).await;
+    let event = Event::new("order.placed", json!({"order_id": 7})).id("order-7");
+
+    assert_eq!(
+        pgbus::sqlx::publish(&pool, &event).await.unwrap(),
+        Published::Inserted
+    );
+    // A retry with a new correlation id is the same event.
+    let retry = event.clone().correlation_id("retry");
+    assert_eq!(
+        pgbus::sqlx::publish(&pool, &retry).await.unwrap(),
+        Published::Duplicate
+    );
+    assert_eq!(
+        pgbus::publish(&client, &retry).await.unwrap(),
+        Published::Duplicate
+    );
+    assert_eq!(
+        pgbus::sqlx::publish_batch(&pool, &[event.clone(), event.clone()])
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(events(&client).await, ["order-7"]);
+
+    // Different content under the id: the same Conflict, nothing written, and the
+    // transaction goes on.
+    let other = Event::new("order.placed", json!({"order_id": 8})).id("order-7");
+    let through_tokio = pgbus::publish(&client, &other).await.unwrap_err();
+    let mut tx = pool.begin().await.unwrap();
+    let through_sqlx = pgbus::sqlx::publish(&mut *tx, &other).await.unwrap_err();
+    assert!(
+        matches!(&through_sqlx, Error::Conflict { id } if id == "order-7"),
+        "{through_sqlx:?}"
+    );
+    assert_eq!(through_sqlx.to_string(), through_tokio.to_string());
+    let batch_conflict = pgbus::sqlx::publish_batch(
+        &mut *tx,
+        &[Event::new("order.shipped", json!({})).id("new"), other],
+    )
+    .await
+    .unwrap_err();
+    assert!(batch_conflict.is_conflict(), "{batch_conflict:?}");
+    pgbus::sqlx::publish(&mut *tx, &Event::new("order.paid", json!({})).id("after"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(events(&client).await, ["order-7", "after"]);
+}
+
+#[tokio::test]
+async fn an_invalid_event_is_refused_before_anything_is_sent() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let pool = pool(&db).await;
+    let bad = Event::new("bad name", json!({}));
+    let expected = pgbus::publish(&client, &bad).await.unwrap_err();
+    assert!(
+        matches!(
+            expected,
+            Error::Invalid {
+                what: "event name",
+                ..
+            }
+        ),
+        "{expected:?}"
+    );
+
+    let mut tx = pool.begin().await.unwrap();
+    pgbus::sqlx::publish(
+        &mut *tx,
+        &Event::new("order.placed", json!({})).id("before"),
+    )
+    .await
+    .unwrap();
+    let err = pgbus::sqlx::publish(&mut *tx, &bad).await.unwrap_err();
+    assert!(matches!(err, Error::Invalid { .. }), "{err:?}");
+    assert_eq!(err.to_string(), expected.to_string());
+    let err = pgbus::sqlx::publish_batch(
+        &mut *tx,
+        &[
+            Event::new("order.ok", json!({})).id("in-bad-batch"),
+            bad.clone(),
+        ],
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.to_string(), expected.to_string());
+    let nul = pgbus::sqlx::publish(&mut *tx, &Event::new("order.nul", json!({"s": "\u{0}"})))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            nul,
+            Error::Invalid {
+                what: "payload",
+                ..
+            }
+        ),
+        "{nul:?}"
+    );
+    // The transaction is still usable.
+    pgbus::sqlx::publish(&mut *tx, &Event::new("order.placed", json!({})).id("after"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(events(&client).await, ["before", "after"]);
+
+    // Refused before any I/O: a closed pool is never asked for a connection.
+    pool.close().await;
+    let err = pgbus::sqlx::publish(&pool, &bad).await.unwrap_err();
+    assert!(matches!(err, Error::Invalid { .. }), "{err:?}");
+    let err = pgbus::sqlx::publish_batch(&pool, &[bad]).await.unwrap_err();
+    assert!(matches!(err, Error::Invalid { .. }), "{err:?}");
+    assert_eq!(pgbus::sqlx::publish_batch(&pool, &[]).await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn sqlx_errors_answer_like_tokio_postgres_errors() {
+    let db = common::test_db().await;
+    let mut client = db.connect().await;
+    let pool = pool(&db).await;
+    let event = Event::new("order.placed", json!({}));
+
+    // A lock that is not granted in time: 55P03, transient, not a connection failure.
+    let holder = db.connect().await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE pgbus.events IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let tx = client.transaction().await.unwrap();
+    tx.batch_execute("SET LOCAL lock_timeout = '50ms'")
+        .await
+        .unwrap();
+    let through_tokio = pgbus::publish(&tx, &event).await.unwrap_err();
+    tx.rollback().await.unwrap();
+    let mut sqlx_tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '50ms'")
+        .execute(&mut *sqlx_tx)
+        .await
+        .unwrap();
+    let through_sqlx = pgbus::sqlx::publish(&mut *sqlx_tx, &event)
+        .await
+        .unwrap_err();
+    sqlx_tx.rollback().await.unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert!(matches!(through_sqlx, Error::Sqlx(_)), "{through_sqlx:?}");
+    assert_eq!(through_sqlx.code().map(|c| c.code()), Some("55P03"));
+    assert_eq!(through_sqlx.code(), through_tokio.code());
+    assert!(through_sqlx.is_transient() && through_tokio.is_transient());
+    assert!(!through_sqlx.is_connection() && !through_tokio.is_connection());
+    assert!(
+        through_sqlx.to_string().contains("(SQLSTATE 55P03)"),
+        "{through_sqlx}"
+    );
+
+    // A database never migrated: the same SQLSTATE, and the message says to migrate.
+    client
+        .batch_execute("DROP SCHEMA pgbus CASCADE")
+        .await
+        .unwrap();
+    let through_tokio = pgbus::publish(&client, &event).await.unwrap_err();
+    let through_sqlx = pgbus::sqlx::publish(&pool, &event).await.unwrap_err();
+    assert!(matches!(through_tokio, Error::SchemaMissing(_)));
+    assert_eq!(through_sqlx.code(), through_tokio.code());
+    assert!(!through_sqlx.is_transient() && !through_sqlx.is_connection());
+    let Error::Sqlx(inner) = &through_sqlx else {
+        panic!("{through_sqlx:?}");
+    };
+    assert!(inner.is_schema_missing());
+    assert!(through_sqlx.to_string().contains("run `pgbus migrate`"));
+    assert!(matches!(inner.get_ref(), sqlx::Error::Database(_)));
+
+    // No connection to be had: a connection failure, worth a retry.
+    pool.close().await;
+    let closed = pgbus::sqlx::publish(&pool, &event).await.unwrap_err();
+    assert!(
+        closed.is_connection() && closed.is_transient(),
+        "{closed:?}"
+    );
+    assert_eq!(closed.code(), None);
+}
+
+/// A list of the migrations recorded: version, name, checksum.
+async fn recorded(client: &tokio_postgres::Client) -> Vec<(i32, String, String)> {
+    client
+        .query(
+            "SELECT version, name, checksum FROM pgbus.schema_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+fn versions(migrations: &[pgbus::schema::Migration]) -> Vec<i32> {
+    migrations.iter().map(|m| m.version).collect()
+}
+
+#[tokio::test]
+async fn sqlx_migrate_and_migrate_each_find_the_others_work_done() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let reference = recorded(&client).await;
+    let all = versions(pgbus::schema::MIGRATIONS);
+    let pool = pool(&db).await;
+
+    client
+        .batch_execute("DROP SCHEMA pgbus CASCADE")
+        .await
+        .unwrap();
+    let applied = pgbus::sqlx::migrate(&pool).await.unwrap();
+    assert_eq!(versions(&applied), all);
+    assert_eq!(recorded(&client).await, reference);
+    assert!(pgbus::migrate(&client).await.unwrap().is_empty());
+    assert!(pgbus::sqlx::migrate(&pool).await.unwrap().is_empty());
+
+    // And the other way round, on a single connection.
+    client
+        .batch_execute("DROP SCHEMA pgbus CASCADE")
+        .await
+        .unwrap();
+    assert_eq!(versions(&pgbus::migrate(&client).await.unwrap()), all);
+    let mut conn = connection(&db).await;
+    assert!(pgbus::sqlx::migrate(&mut conn).await.unwrap().is_empty());
+    assert_eq!(recorded(&client).await, reference);
+    // The schema works for both publishers.
+    pgbus::sqlx::publish(&mut conn, &Event::new("order.placed", json!({})).id("a"))
+        .await
+        .unwrap();
+    pgbus::publish(&client, &Event::new("order.placed", json!({})).id("b"))
+        .await
+        .unwrap();
+    assert_eq!(events(&client).await, ["a", "b"]);
+}
+
+#[tokio::test]
+async fn two_concurrent_sqlx_migrations_both_succeed_and_apply_each_once() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let reference = recorded(&client).await;
+    client
+        .batch_execute("DROP SCHEMA pgbus CASCADE")
+        .await
+        .unwrap();
+    let pool = pool(&db).await;
+    let mut conn = connection(&db).await;
+
+    let (a, b) = common::within(
+        "both migrations",
+        WAIT,
+        futures::future::join(pgbus::sqlx::migrate(&pool), pgbus::sqlx::migrate(&mut conn)),
+    )
+    .await;
+    migrations::assert_each_applied_once(a, b);
+    assert_eq!(recorded(&client).await, reference);
+}
+
+#[tokio::test]
+async fn sqlx_migrate_reports_a_changed_migration_as_drift() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    migrations::edit_first_migration(&client).await;
+    migrations::assert_first_migration_drifted(pgbus::sqlx::migrate(&pool(&db).await).await);
+    assert_eq!(
+        recorded(&client).await.first().map(|r| r.2.as_str()),
+        Some("edited")
+    );
+}
