@@ -38,6 +38,7 @@ mod backoff;
 mod bus;
 mod claim;
 mod conn;
+mod context;
 mod decode;
 mod delivery;
 mod dispatch;
@@ -62,6 +63,7 @@ pub use bus::{
     DEFAULT_RETENTION, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT,
     DEFAULT_SYNCHRONOUS_COMMIT, RunningBus,
 };
+pub use context::Context;
 pub use delivery::{Delivery, Subscription};
 pub use error::{Error, HandlerError, MAX_ERROR_TEXT, PoolError, Result};
 pub use event::{
