@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use serde::de::DeserializeOwned;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
@@ -18,11 +19,12 @@ use crate::backoff::WarnGate;
 use crate::claim::{Claimer, Pacing};
 use crate::conn::{Db, Session};
 use crate::connect::ConnectConfig;
+use crate::context::Context;
 use crate::delivery::{Delivery, Subscription};
 use crate::dispatch::{Dispatcher, Target};
 use crate::error::{Error, HandlerError, Result};
 use crate::event::Event;
-use crate::handler::{DynHandler, FnHandler, Handler, SubscriptionOptions};
+use crate::handler::{ArgFnHandler, DynHandler, FnHandler, Handler, SubscriptionOptions};
 use crate::listen::{Listener, Wake};
 use crate::maintain::{Consumer, Maintainer, Schedule};
 use crate::retry::RetryPolicy;
@@ -298,7 +300,8 @@ impl Bus {
             shutdown,
         };
         let tokens = Tokens::default();
-        let (settler, settle_rx) = Settler::channel();
+        let (settler, settle_rx) =
+            Settler::channel(parts.consumer.worker.clone(), parts.stats.clone());
         let acker = parts.acker(&tokens).run(settle_rx, tokens.acker.clone());
         let maintenance = parts.maintainer(&opts).run(tokens.background.clone());
         let listener = (!opts.poll_only).then(|| {
@@ -461,7 +464,7 @@ impl BusBuilder {
 
     /// [`BusBuilder::handler_fn`] with per-subscription options.
     pub fn handler_fn_with<I, S, F, Fut>(
-        mut self,
+        self,
         name: &str,
         patterns: I,
         options: SubscriptionOptions,
@@ -473,10 +476,119 @@ impl BusBuilder {
         F: Fn(Event) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
     {
+        self.closure(name, patterns, options, Arc::new(FnHandler { f }))
+    }
+
+    /// Adds a handler made of a closure that receives each event with its delivery's
+    /// [`Context`]: the attempt number, the attempt's deadline, the shutdown signal, and
+    /// [`Context::ack_in`] to complete the delivery in the handler's own transaction.
+    ///
+    /// ```no_run
+    /// # fn f(config: tokio_postgres::Config) -> Result<(), pgbus::Error> {
+    /// let bus = pgbus::Bus::builder(config)
+    ///     .handler_with_context("audit", ["order.*"], |event, cx| async move {
+    ///         println!("{} attempt {}", event.name, cx.attempt());
+    ///         Ok(())
+    ///     })
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn handler_with_context<I, S, F, Fut>(self, name: &str, patterns: I, f: F) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+        F: Fn(Event, Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
+    {
+        self.handler_with_context_opts(name, patterns, SubscriptionOptions::default(), f)
+    }
+
+    /// [`BusBuilder::handler_with_context`] with per-subscription options.
+    pub fn handler_with_context_opts<I, S, F, Fut>(
+        self,
+        name: &str,
+        patterns: I,
+        options: SubscriptionOptions,
+        f: F,
+    ) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+        F: Fn(Event, Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
+    {
+        self.closure(name, patterns, options, Arc::new(ArgFnHandler::event(f)))
+    }
+
+    /// Adds a handler made of a closure that receives each event's payload decoded as `T`
+    /// (with serde), and the delivery's [`Context`].
+    ///
+    /// A payload that does not decode as `T` is a permanent failure: the delivery becomes
+    /// a dead letter after that one attempt, with the decoding error as its last error
+    /// (`the payload of order.placed does not decode as app::OrderPlaced: missing field
+    /// ...`), and the closure is not called. Retry it (`pgbus dead retry`) once a handler
+    /// that can read it runs.
+    ///
+    /// ```no_run
+    /// #[derive(serde::Deserialize)]
+    /// struct OrderPlaced {
+    ///     order_id: i64,
+    /// }
+    ///
+    /// # fn f(config: tokio_postgres::Config) -> Result<(), pgbus::Error> {
+    /// let bus = pgbus::Bus::builder(config)
+    ///     .handler_typed("receipts", ["order.placed"], |order: OrderPlaced, cx| async move {
+    ///         println!("receipt for order {} ({})", order.order_id, cx.event_id());
+    ///         Ok(())
+    ///     })
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn handler_typed<T, I, S, F, Fut>(self, name: &str, patterns: I, f: F) -> Self
+    where
+        T: DeserializeOwned + 'static,
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+        F: Fn(T, Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
+    {
+        self.handler_typed_opts(name, patterns, SubscriptionOptions::default(), f)
+    }
+
+    /// [`BusBuilder::handler_typed`] with per-subscription options.
+    pub fn handler_typed_opts<T, I, S, F, Fut>(
+        self,
+        name: &str,
+        patterns: I,
+        options: SubscriptionOptions,
+        f: F,
+    ) -> Self
+    where
+        T: DeserializeOwned + 'static,
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+        F: Fn(T, Context) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
+    {
+        self.closure(name, patterns, options, Arc::new(ArgFnHandler::typed(f)))
+    }
+
+    /// Registers a closure's handler under `name`.
+    fn closure<I, S>(
+        mut self,
+        name: &str,
+        patterns: I,
+        options: SubscriptionOptions,
+        handler: Arc<dyn DynHandler>,
+    ) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
         self.handlers.push((
             name.to_string(),
             patterns.into_iter().map(Into::into).collect(),
-            Arc::new(FnHandler { f }),
+            handler,
             options,
         ));
         self

@@ -4,12 +4,13 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{self, Poll};
 use std::time::Duration;
 
 use futures::Stream;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::context::Context;
 use crate::error::{Error, HandlerError, Result};
 use crate::event::Event;
 use crate::settle::{Action, Outcome, Settler};
@@ -99,6 +100,110 @@ impl Delivery {
     /// has stopped, [`Error::Settle`] when it could not be written.
     pub async fn ack(mut self) -> Result<()> {
         self.settle(Action::Ack).await
+    }
+
+    /// Completes the delivery inside `tx`, the application's own write transaction, so
+    /// that what it writes there (a projection, say) and the completion commit together or
+    /// not at all.
+    ///
+    /// Fenced like [`ack`](Delivery::ack): the statement (the acker's completion, run in
+    /// `tx` as an unnamed statement, so a transaction-mode pooler is fine) applies only
+    /// while this delivery's lease is still this bus's. For an ordered subscription it
+    /// hands the key to its next delivery, visible when `tx` commits.
+    ///
+    /// Once this returns `Ok`, the delivery no longer counts against the bus's capacity
+    /// and its lease is no longer extended. Then:
+    ///
+    /// - `tx` commits: the delivery is complete.
+    /// - `tx` rolls back (or its commit fails): the delivery was not completed. It stays
+    ///   leased to this bus until its lease runs out (at most the bus's
+    ///   [`lease`](crate::BusBuilder::lease) from the last extension); then the reaper
+    ///   returns it, counting the attempt as failed (`lease expired`), and it is delivered
+    ///   again. (A handler's [`Context::ack_in`](crate::Context::ack_in) does better: the
+    ///   handler's error retries it at once.)
+    ///
+    /// `tx` must be `READ COMMITTED` (PostgreSQL's default). Until it ends, `tx` holds the
+    /// delivery's row lock and, for an ordered subscription, its key's lock (publishing to
+    /// that key waits) and the shared configuration lock (changing a subscription's
+    /// settings waits): keep it short, and well within the lease.
+    ///
+    /// ```no_run
+    /// # async fn f(mut client: tokio_postgres::Client, d: pgbus::Delivery) -> Result<(), Box<dyn std::error::Error>> {
+    /// let tx = client.transaction().await?;
+    /// tx.execute(
+    ///     "INSERT INTO order_totals (order_id, total) VALUES ($1, $2)",
+    ///     &[&d.event().payload["order_id"].as_i64(), &d.event().payload["total"].as_i64()],
+    /// )
+    /// .await?;
+    /// d.ack_in(&tx).await?; // a lost lease fails here, before the commit
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LeaseLost`] when the lease had been lost (the delivery was reaped, and
+    /// perhaps claimed again): nothing changed, and the statement's error has aborted
+    /// `tx`, so its writes cannot commit (a `COMMIT` rolls back). Another error (the
+    /// connection, `tx` already aborted, not `READ COMMITTED`) fails the attempt as
+    /// [`fail`](Delivery::fail) would, and the delivery is retried after its backoff.
+    pub async fn ack_in(mut self, tx: &tokio_postgres::Transaction<'_>) -> Result<()> {
+        let result = self
+            .settler
+            .ack_in(tx, &self.sub.name, self.seq(), self.attempt)
+            .await;
+        match result {
+            Ok(()) | Err(Error::LeaseLost) => {
+                // Settled: by `tx`, or by whoever holds the lease now. Dropping the slot
+                // frees the capacity and stops the lease's extension.
+                self.state = State::Settled;
+                self.slot = None;
+            }
+            Err(ref e) => {
+                let action = self.fail_action(&HandlerError::new(format!(
+                    "acknowledging in the application's transaction failed: {e}"
+                )));
+                self.settle_nowait(action);
+            }
+        }
+        result
+    }
+
+    /// The event's position in the log (the delivery's key with the subscription).
+    fn seq(&self) -> i64 {
+        self.slot
+            .as_ref()
+            .map_or_else(|| self.event.seq.unwrap_or_default(), Slot::seq)
+    }
+
+    /// The context of a handler run for this delivery.
+    pub(crate) fn context(
+        &self,
+        deadline: Option<tokio::time::Instant>,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> Context {
+        let parts = crate::context::Parts {
+            subscription: self.sub.name.clone(),
+            event_id: Arc::from(self.event.id.as_str()),
+            seq: self.seq(),
+            attempt: self.attempt,
+            settler: self.settler.clone(),
+        };
+        Context::new(parts, deadline, cancel)
+    }
+
+    /// Settles a handler's run: `action`, unless the handler completed the delivery in
+    /// its own transaction ([`Context::ack_in`]) and returned `Ok`, in which case nothing
+    /// is written (the slot is freed). After an error, `action` is written even so: if the
+    /// handler's transaction rolled back, the lease is still this bus's and the delivery
+    /// is retried; if it committed, the failure is rejected as stale.
+    pub(crate) fn finish(mut self, action: Action, acked_in: bool) {
+        if acked_in && matches!(action, Action::Ack) {
+            self.state = State::Settled;
+            self.slot = None;
+        } else {
+            self.settle_nowait(action);
+        }
     }
 
     /// Records a failed attempt and retries after the subscription's backoff (or the
@@ -243,7 +348,7 @@ impl Subscription {
 impl Stream for Subscription {
     type Item = Delivery;
 
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+    fn poll_next(self: Pin<&mut Self>, cx: &mut task::Context<'_>) -> Poll<Option<Delivery>> {
         let this = self.get_mut();
         let mut rx = match this.rx.lock() {
             Ok(rx) => rx,

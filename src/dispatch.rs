@@ -12,6 +12,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
+use crate::context::Context;
 use crate::delivery::Delivery;
 use crate::error::HandlerError;
 use crate::handler::DynHandler;
@@ -122,13 +123,20 @@ impl Run {
             }
         }
         delivery.mark_started();
-        let action = self.invoke(&delivery).await;
-        delivery.settle_nowait(action);
+        let deadline = self.timeout.map(|t| tokio::time::Instant::now() + t);
+        let cx = delivery.context(deadline, self.shutdown.token().child_token());
+        let action = self.invoke(&delivery, cx.clone(), deadline).await;
+        delivery.finish(action, cx.acked_in());
     }
 
-    /// Runs the handler in its span, with its timeout, catching a panic; says what to
+    /// Runs the handler in its span, until `deadline`, catching a panic; says what to
     /// write.
-    async fn invoke(&self, delivery: &Delivery) -> Action {
+    async fn invoke(
+        &self,
+        delivery: &Delivery,
+        cx: Context,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Action {
         let event = delivery.event();
         let span = tracing::info_span!(
             "pgbus.deliver",
@@ -142,9 +150,9 @@ impl Run {
         );
         // Called inside the future, so that a handler panicking before it returns its
         // future (a closure's synchronous part) is caught too.
-        let run = AssertUnwindSafe(async { self.handler.call(event).await }).catch_unwind();
-        let outcome = match self.timeout {
-            Some(t) => tokio::time::timeout(t, run)
+        let run = AssertUnwindSafe(async { self.handler.call(event, cx).await }).catch_unwind();
+        let outcome = match deadline {
+            Some(t) => tokio::time::timeout_at(t, run)
                 .instrument(span.clone())
                 .await
                 .ok(),

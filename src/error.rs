@@ -400,8 +400,39 @@ impl std::error::Error for PoolError {
 
 /// What a handler returns when it could not handle an event.
 ///
-/// Any `std::error::Error` converts into it, so `?` works in handlers. (For that reason
-/// it does not implement `std::error::Error` itself.)
+/// Every error that converts into `Box<dyn std::error::Error + Send + Sync>` converts
+/// into it, so `?` works in handlers on any `std::error::Error + Send + Sync` type, on
+/// `Box<dyn Error + Send + Sync>` and on `anyhow::Error` (for that reason it does not
+/// implement `std::error::Error` itself). The message recorded is the error's text and
+/// its sources'. An error that is neither `Send` nor `Sync` (a `PoisonError` holding a
+/// guard) converts with `.map_err(HandlerError::new)`.
+///
+/// ```
+/// use anyhow::Context as _;
+/// use pgbus::{Event, HandlerError};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Order {
+///     id: i64,
+/// }
+///
+/// fn check(order: &Order) -> anyhow::Result<()> {
+///     anyhow::ensure!(order.id > 0, "order {} has no valid id", order.id);
+///     Ok(())
+/// }
+///
+/// fn reserve(order: &Order) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+///     Ok(())
+/// }
+///
+/// async fn handle(event: Event) -> Result<(), HandlerError> {
+///     let order: Order = serde_json::from_value(event.payload)?; // serde_json::Error
+///     check(&order).context("checking the order")?; // anyhow::Error
+///     reserve(&order)?; // Box<dyn Error + Send + Sync>
+///     Err(HandlerError::retry_after("the warehouse is busy", std::time::Duration::from_secs(30)))
+/// }
+/// # let _ = handle;
+/// ```
 ///
 /// By default the attempt is retried after the subscription's backoff. A handler can ask
 /// for a specific delay ([`HandlerError::retry_after`]) or give up at once
@@ -467,9 +498,28 @@ impl fmt::Display for HandlerError {
     }
 }
 
-impl<E: std::error::Error> From<E> for HandlerError {
+/// Any error that converts into a `Box<dyn Error + Send + Sync>`: every
+/// `std::error::Error + Send + Sync` type, `Box<dyn Error + Send + Sync>` itself,
+/// `anyhow::Error`, `String` and `&str`. The message is the error's text followed by the
+/// texts of its sources (`loading order 42: connection refused`), each left out when the
+/// text before already contains it.
+impl<'a, E> From<E> for HandlerError
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'a>>,
+{
     fn from(e: E) -> Self {
-        HandlerError::new(e)
+        let e = e.into();
+        let mut message = e.to_string();
+        let mut source = e.source();
+        while let Some(s) = source {
+            let text = s.to_string();
+            if !message.contains(&text) {
+                message.push_str(": ");
+                message.push_str(&text);
+            }
+            source = s.source();
+        }
+        HandlerError::new(message)
     }
 }
 

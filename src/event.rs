@@ -120,6 +120,34 @@ impl Event {
         }
     }
 
+    /// A new event named `name` whose payload is `payload` serialized with serde, as
+    /// [`Event::new`] otherwise.
+    ///
+    /// ```
+    /// #[derive(serde::Serialize)]
+    /// struct OrderPlaced {
+    ///     order_id: i64,
+    /// }
+    ///
+    /// let event = pgbus::Event::json("order.placed", &OrderPlaced { order_id: 42 })?;
+    /// assert_eq!(event.payload, serde_json::json!({"order_id": 42}));
+    /// # Ok::<(), pgbus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] (`payload`) when `payload` cannot be represented as JSON (a map
+    /// whose keys are not strings, a `Serialize` implementation that fails); nothing else
+    /// happens.
+    pub fn json<T: serde::Serialize + ?Sized>(
+        name: impl Into<String>,
+        payload: &T,
+    ) -> Result<Self> {
+        let payload = serde_json::to_value(payload)
+            .map_err(|e| Error::invalid("payload", format!("cannot be serialized as JSON: {e}")))?;
+        Ok(Event::new(name, payload))
+    }
+
     /// Sets the id: the idempotency key. Publishing the same id again with the same
     /// content is a no-op; with different content it fails with [`Error::Conflict`].
     pub fn id(mut self, id: impl Into<String>) -> Self {

@@ -1,12 +1,14 @@
-//! What an application registers: a [`Handler`] per subscription (or a closure), and the
-//! [`SubscriptionOptions`] of each.
+//! What an application registers: a [`Handler`] per subscription (or a closure, perhaps
+//! taking the [`Context`] or a typed payload), and the [`SubscriptionOptions`] of each.
 
 use std::future::Future;
 use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use serde::de::DeserializeOwned;
 
+use crate::context::Context;
 use crate::error::HandlerError;
 use crate::event::Event;
 use crate::ordering::DeadHeadPolicy;
@@ -49,16 +51,61 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Handles one event.
     fn handle(&self, event: &Event) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// Handles one event, with its delivery's [`Context`] (attempt, deadline, shutdown
+    /// signal, [`Context::ack_in`]). This is what the bus calls; by default it calls
+    /// [`Handler::handle`]. A handler that needs the context overrides it (and its
+    /// `handle` is then never called by the bus):
+    ///
+    /// ```
+    /// use pgbus::{Context, Event, Handler, HandlerError};
+    ///
+    /// struct Audit;
+    ///
+    /// impl Handler for Audit {
+    ///     fn name(&self) -> &str {
+    ///         "audit"
+    ///     }
+    ///     fn patterns(&self) -> Vec<String> {
+    ///         vec!["*".into()]
+    ///     }
+    ///     async fn handle(&self, event: &Event) -> Result<(), HandlerError> {
+    ///         println!("{}", event.name);
+    ///         Ok(())
+    ///     }
+    ///     async fn handle_with_context(
+    ///         &self,
+    ///         event: &Event,
+    ///         cx: &Context,
+    ///     ) -> Result<(), HandlerError> {
+    ///         println!("{} (attempt {})", event.name, cx.attempt());
+    ///         Ok(())
+    ///     }
+    /// }
+    /// ```
+    fn handle_with_context(
+        &self,
+        event: &Event,
+        cx: &Context,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        let _ = cx;
+        self.handle(event)
+    }
 }
 
 /// The object-safe form of [`Handler`] that the bus stores.
 pub(crate) trait DynHandler: Send + Sync {
-    fn call<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<(), HandlerError>>;
+    fn call<'a>(&'a self, event: &'a Event, cx: Context)
+    -> BoxFuture<'a, Result<(), HandlerError>>;
 }
 
 impl<H: Handler> DynHandler for H {
-    fn call<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<(), HandlerError>> {
-        self.handle(event).boxed()
+    fn call<'a>(
+        &'a self,
+        event: &'a Event,
+        cx: Context,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        async move { self.handle_with_context(event, &cx).await }.boxed()
     }
 }
 
@@ -72,9 +119,68 @@ where
     F: Fn(Event) -> Fut + Send + Sync,
     Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
 {
-    fn call<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<(), HandlerError>> {
+    fn call<'a>(&'a self, event: &'a Event, _: Context) -> BoxFuture<'a, Result<(), HandlerError>> {
         (self.f)(event.clone()).boxed()
     }
+}
+
+/// A handler made of a closure that takes an argument made from the event (the event
+/// itself, or its payload decoded) and the [`Context`] (see
+/// [`BusBuilder::handler_with_context`](crate::BusBuilder::handler_with_context) and
+/// [`BusBuilder::handler_typed`](crate::BusBuilder::handler_typed)).
+pub(crate) struct ArgFnHandler<A, F> {
+    f: F,
+    /// Makes the argument; an error fails the attempt without calling `f`.
+    arg: fn(&Event) -> Result<A, HandlerError>,
+}
+
+impl<F> ArgFnHandler<Event, F> {
+    /// The closure gets the event.
+    pub(crate) fn event(f: F) -> Self {
+        ArgFnHandler {
+            f,
+            arg: |event| Ok(event.clone()),
+        }
+    }
+}
+
+impl<T: DeserializeOwned, F> ArgFnHandler<T, F> {
+    /// The closure gets the payload decoded as `T`.
+    pub(crate) fn typed(f: F) -> Self {
+        ArgFnHandler {
+            f,
+            arg: decode::<T>,
+        }
+    }
+}
+
+impl<A, F, Fut> DynHandler for ArgFnHandler<A, F>
+where
+    F: Fn(A, Context) -> Fut + Send + Sync,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    fn call<'a>(
+        &'a self,
+        event: &'a Event,
+        cx: Context,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        match (self.arg)(event) {
+            Ok(arg) => (self.f)(arg, cx).boxed(),
+            Err(e) => futures::future::ready(Err(e)).boxed(),
+        }
+    }
+}
+
+/// An event's payload as `T`; a payload that does not decode is a permanent failure:
+/// retrying cannot change the payload.
+fn decode<T: DeserializeOwned>(event: &Event) -> Result<T, HandlerError> {
+    T::deserialize(&event.payload).map_err(|e| {
+        HandlerError::permanent(format!(
+            "the payload of {} does not decode as {}: {e}",
+            event.name,
+            std::any::type_name::<T>()
+        ))
+    })
 }
 
 /// Per-subscription settings; unset fields take the bus's defaults.

@@ -39,6 +39,7 @@ mod bus;
 mod claim;
 mod conn;
 pub mod connect;
+mod context;
 mod decode;
 mod delivery;
 mod dispatch;
@@ -66,6 +67,7 @@ pub use bus::{
     DEFAULT_SYNCHRONOUS_COMMIT, RunningBus,
 };
 pub use connect::{ConnectConfig, SslMode};
+pub use context::Context;
 pub use delivery::{Delivery, Subscription};
 pub use error::{Error, HandlerError, MAX_ERROR_TEXT, PoolError, Result};
 pub use event::{

@@ -68,6 +68,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "ordered_replay",
         sql: include_str!("../sql/0008_ordered_replay.sql"),
     },
+    Migration {
+        version: 9,
+        name: "ack_in",
+        sql: include_str!("../sql/0009_ack_in.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

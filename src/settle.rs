@@ -101,21 +101,67 @@ impl SettleMsg {
     }
 }
 
-/// The way to the acker.
+/// The way to the acker, and to completing a delivery in an application's transaction.
 #[derive(Debug, Clone)]
-pub(crate) struct Settler(mpsc::UnboundedSender<SettleMsg>);
+pub(crate) struct Settler {
+    tx: mpsc::UnboundedSender<SettleMsg>,
+    worker: Arc<str>,
+    stats: Arc<Counters>,
+}
 
 impl Settler {
-    pub(crate) fn channel() -> (Settler, mpsc::UnboundedReceiver<SettleMsg>) {
+    pub(crate) fn channel(
+        worker: Arc<str>,
+        stats: Arc<Counters>,
+    ) -> (Settler, mpsc::UnboundedReceiver<SettleMsg>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (Settler(tx), rx)
+        (Settler { tx, worker, stats }, rx)
+    }
+
+    /// Completes the delivery `(subscription, seq)` claimed for `attempt` in the caller's
+    /// transaction ([`sql::ACK_IN`]: the SETTLE statement's completion, fenced by the
+    /// lease), as an unnamed statement. Counted as delivered when the statement ran.
+    ///
+    /// A stale lease is [`Error::LeaseLost`], and the statement's error has aborted the
+    /// caller's transaction.
+    pub(crate) async fn ack_in(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        subscription: &str,
+        seq: i64,
+        attempt: i32,
+    ) -> Result<()> {
+        let worker: &str = &self.worker;
+        let params: [(&(dyn ToSql + Sync), Type); 4] = [
+            (&subscription, Type::TEXT),
+            (&seq, Type::INT8),
+            (&attempt, Type::INT4),
+            (&worker, Type::TEXT),
+        ];
+        match tx.query_typed(sql::ACK_IN, &params).await {
+            Ok(_) => {
+                stats::add(&self.stats.delivered, 1);
+                Ok(())
+            }
+            Err(e) if e.code().is_some_and(|c| c.code() == sql::LEASE_LOST) => {
+                stats::add(&self.stats.stale_rejected, 1);
+                tracing::info!(
+                    messaging.destination.subscription.name = %subscription,
+                    pgbus.event_seq = seq,
+                    pgbus.attempt = attempt,
+                    "pgbus rejected a completion in the application's transaction: the lease had been taken over"
+                );
+                Err(Error::LeaseLost)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Queues a settlement. If the acker is gone, the slot is freed at once and the
     /// waiter's channel closes (its caller sees [`Error::Closed`]); the lease will expire.
     pub(crate) fn send(&self, slot: Slot, action: Action, reply: Option<oneshot::Sender<Outcome>>) {
         let action = action.storable();
-        let _ = self.0.send(SettleMsg {
+        let _ = self.tx.send(SettleMsg {
             slot,
             action,
             reply,

@@ -132,20 +132,49 @@ pub const CLAIM_TYPES: [tokio_postgres::types::Type; 7] = [
 /// Returns one row per rejected (stale) settlement, kind `ack`, `fail` or `release`; one
 /// row of kind `dead` per delivery dead-lettered; one of kind `promoted` per new head; and
 /// one of kind `woke` if it notified.
+///
+/// [`ACK_IN`] runs the same function for one completion in an application's transaction.
 pub const SETTLE: &str = "\
 SELECT kind, subscription, event_seq
 FROM pgbus.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
+
+/// Completes one delivery inside the application's transaction ([`Delivery::ack_in`],
+/// `Context::ack_in`): `pgbus.ack_in` (`sql/0009_ack_in.sql`) calls `pgbus.settle` with
+/// this one completion, so the fence and an ordered key's promotion are [`SETTLE`]'s.
+///
+/// Parameters: `$1 text` subscription, `$2 int8` event seq, `$3 int4` attempt, `$4 text`
+/// worker id. A stale lease raises SQLSTATE `PGB01` ([`LEASE_LOST`]), which aborts the
+/// caller's transaction. Sent as an unnamed statement (`query_typed`), so it runs behind a
+/// transaction-mode pooler too.
+///
+/// [`Delivery::ack_in`]: crate::Delivery::ack_in
+pub const ACK_IN: &str = "SELECT pgbus.ack_in($1::text, $2::int8, $3::int4, $4::text)";
+
+/// The SQLSTATE [`ACK_IN`] raises when the lease is no longer this worker's.
+pub const LEASE_LOST: &str = "PGB01";
 
 /// Extends the leases of deliveries still held by this worker (one statement for all).
 ///
 /// Parameters: `$1 text[]` subscription, `$2 int8[]` event seq, `$3 int4[]` attempt,
 /// `$4 int8` lease in milliseconds, `$5 text` worker id. Returns the number extended.
+///
+/// A row locked by another transaction is skipped (`SKIP LOCKED`), not waited for: it is
+/// being settled, by the acker or by an application's transaction that completed it with
+/// [`ACK_IN`] and has not ended yet, and waiting would hold every other lease's extension
+/// until that transaction ends. A row skipped and still held is extended on the next
+/// round, a third of the lease later.
 pub const EXTEND: &str = "\
 UPDATE pgbus.deliveries AS d
 SET locked_until = now() + $4 * interval '1 millisecond'
-FROM unnest($1::text[], $2::int8[], $3::int4[]) AS t(subscription, event_seq, attempt)
-WHERE d.subscription = t.subscription AND d.event_seq = t.event_seq
-  AND d.attempts = t.attempt AND d.locked_by = $5 AND d.status = 'processing'";
+FROM (
+  SELECT h.subscription, h.event_seq
+  FROM pgbus.deliveries AS h
+  JOIN unnest($1::text[], $2::int8[], $3::int4[]) AS t(subscription, event_seq, attempt)
+    ON h.subscription = t.subscription AND h.event_seq = t.event_seq
+  WHERE h.attempts = t.attempt AND h.locked_by = $5 AND h.status = 'processing'
+  FOR UPDATE OF h SKIP LOCKED
+) AS held
+WHERE d.subscription = held.subscription AND d.event_seq = held.event_seq";
 
 /// Returns expired leases to pending, or to the dead letters when out of attempts, with
 /// a history row each, and notifies the listening buses when anything became due.
@@ -572,6 +601,7 @@ pub const PUBLISH_TYPES: [tokio_postgres::types::Type; 14] = [
 pub const ALL: &[(&str, &str)] = &[
     ("CLAIM", CLAIM),
     ("SETTLE", SETTLE),
+    ("ACK_IN", ACK_IN),
     ("EXTEND", EXTEND),
     ("REAP", REAP),
     ("REPAIR", REPAIR),

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Stats {
-    /// Deliveries completed (acknowledged and written).
+    /// Deliveries completed (acknowledged and written). A completion in the
+    /// application's transaction (`ack_in`) counts when its statement ran, even if that
+    /// transaction then rolled back.
     pub delivered: u64,
     /// Failed attempts written (each retried or dead-lettered).
     pub failed: u64,
@@ -14,7 +16,8 @@ pub struct Stats {
     pub dead_lettered: u64,
     /// Claimed deliveries released unstarted (at shutdown, or dropped while buffered).
     pub released: u64,
-    /// Settlements rejected because the lease had been taken over (stale worker).
+    /// Settlements rejected because the lease had been taken over (stale worker), `ack_in`
+    /// included.
     pub stale_rejected: u64,
     /// Claim statements run.
     pub claims: u64,
