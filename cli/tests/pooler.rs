@@ -292,3 +292,93 @@ async fn replay_subscriptions_and_sweep_work_through_the_pooler() {
         0
     );
 }
+
+/// Publishes `n` events named `order.placed` with ids `<prefix>-<i>` through the pooler.
+async fn publish_through_the_pooler(db: &common::TestDb, prefix: &str, n: usize) {
+    for i in 0..n {
+        let id = format!("{prefix}-{i}");
+        pooled(db, &["publish", "order.placed", "{}", "--id", &id]).await;
+    }
+}
+
+/// The ids of the next `n` deliveries of `consumer`, sorted.
+async fn next_ids(consumer: &mut proc::Consumer, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        ids.push(consumer.next().await["id"].as_str().unwrap().to_string());
+    }
+    ids.sort();
+    ids
+}
+
+#[tokio::test]
+async fn consume_runs_through_the_pooler_and_listens_on_a_direct_connection() {
+    let db = common::test_db().await;
+    let pooled_url = common::pgbouncer::shared().await.url_for(db.name());
+    let direct_url = db.url();
+    let mut consumer = proc::Consumer::start(
+        &db,
+        &[
+            "--database-url",
+            &pooled_url,
+            "--pooler",
+            "--listen-url",
+            &direct_url,
+            "--poll-interval",
+            "1h",
+            "-s",
+            "audit",
+            "-p",
+            "order.*",
+        ],
+    )
+    .await;
+    // With a poll interval of an hour, only notifications can bring these promptly.
+    publish_through_the_pooler(&db, "listened", 3).await;
+    assert_eq!(
+        next_ids(&mut consumer, 3).await,
+        vec!["listened-0", "listened-1", "listened-2"]
+    );
+    let client = db.connect().await;
+    common::wait_count(
+        &client,
+        "the deliveries to be acknowledged through the pooler",
+        "SELECT count(*) FROM pgbus.deliveries",
+        0,
+    )
+    .await;
+    assert!(!consumer.stderr().contains("falls back to polling"));
+    assert_eq!(consumer.terminate().await, 0);
+}
+
+#[tokio::test]
+async fn consume_through_the_pooler_without_a_listen_url_polls_and_says_so() {
+    let db = common::test_db().await;
+    let pooled_url = common::pgbouncer::shared().await.url_for(db.name());
+    let mut consumer = proc::Consumer::start(
+        &db,
+        &[
+            "--database-url",
+            &pooled_url,
+            "--pooler",
+            "--poll-interval",
+            "200ms",
+            "-s",
+            "audit",
+            "-p",
+            "order.*",
+        ],
+    )
+    .await;
+    assert!(
+        consumer.stderr().contains("falls back to polling"),
+        "{}",
+        consumer.stderr()
+    );
+    publish_through_the_pooler(&db, "polled", 2).await;
+    assert_eq!(
+        next_ids(&mut consumer, 2).await,
+        vec!["polled-0", "polled-1"]
+    );
+    assert_eq!(consumer.terminate().await, 0);
+}

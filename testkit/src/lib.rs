@@ -231,6 +231,19 @@ pub fn conninfo(config: &Config) -> String {
     parts.join(" ")
 }
 
+/// An error's message and its sources', on one line (a TLS failure's reason is in a
+/// source).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

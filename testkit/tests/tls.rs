@@ -46,25 +46,13 @@ fn reached_at(server: &TlsServer, host: &str, sslmode: &str) -> Config {
     config
 }
 
-/// An error with its sources, on one line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
 #[tokio::test]
 async fn a_connection_without_tls_is_refused() {
     let server = TlsServer::shared().await;
     for host in [HOST, SERVER_NAME] {
         let config = reached_at(server, host, "disable");
         let e = config.connect(NoTls).await.err().expect("plain TCP got in");
-        let text = chain(&e);
+        let text = pgbus_testkit::error_chain(&e);
         assert!(
             text.contains("pg_hba.conf rejects connection") && text.contains("no encryption"),
             "{text}"
@@ -99,7 +87,7 @@ async fn a_rustls_client_verified_against_the_ca_gets_in_over_tls_with_the_passw
         .await
         .expect_err("a wrong password got in");
     assert!(
-        chain(&e).contains("password authentication failed"),
+        pgbus_testkit::error_chain(&e).contains("password authentication failed"),
         "{e:?}"
     );
 }
@@ -113,9 +101,9 @@ async fn the_certificate_names_localhost_only_and_the_wrong_ca_signed_nothing() 
         .await
         .expect_err("the certificate matched 127.0.0.1");
     assert!(
-        chain(&e).contains("certificate not valid for name"),
+        pgbus_testkit::error_chain(&e).contains("certificate not valid for name"),
         "{}",
-        chain(&e)
+        pgbus_testkit::error_chain(&e)
     );
 
     let mut config = server.config();
@@ -123,7 +111,11 @@ async fn the_certificate_names_localhost_only_and_the_wrong_ca_signed_nothing() 
     let e = connect_tls(&config, server.wrong_ca_pem())
         .await
         .expect_err("the wrong CA verified the server");
-    assert!(chain(&e).contains("UnknownIssuer"), "{}", chain(&e));
+    assert!(
+        pgbus_testkit::error_chain(&e).contains("UnknownIssuer"),
+        "{}",
+        pgbus_testkit::error_chain(&e)
+    );
 }
 
 #[tokio::test]

@@ -150,7 +150,7 @@ fn connect_hint(reason: &str, config: &pgbus::ConnectConfig) -> Option<&'static 
             "the server's certificate is not signed by a CA in sslrootcert (or the system's \
              store): name the CA that signed it with sslrootcert=<file>",
         )
-    } else if reason.contains("NotValidForName") {
+    } else if reason.contains("NotValidForName") || reason.contains("not valid for name") {
         Some(
             "the server's certificate does not name the host connected to (sslmode=verify-full): \
              connect by a name the certificate holds, or use sslmode=verify-ca",

@@ -15,9 +15,29 @@ use tokio::sync::mpsc;
 use crate::common;
 pub use crate::common::{WAIT, count, wait_count, wait_settled};
 
-/// The `pgbus` binary, with no DATABASE_URL from the environment.
+/// The `PG*` variables that fill a connection string's gaps.
+pub const PG_VARS: [&str; 13] = [
+    "PGHOST",
+    "PGPORT",
+    "PGUSER",
+    "PGPASSWORD",
+    "PGDATABASE",
+    "PGAPPNAME",
+    "PGCONNECT_TIMEOUT",
+    "PGSSLMODE",
+    "PGSSLROOTCERT",
+    "PGSSLCERT",
+    "PGSSLKEY",
+    "PGPASSFILE",
+    "PGBUS_POOLER",
+];
+
+/// The `pgbus` binary, with no DATABASE_URL or `PG*` variable from the environment.
 pub fn pgbus() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgbus"));
+    for var in PG_VARS {
+        cmd.env_remove(var);
+    }
     cmd.env_remove("DATABASE_URL")
         .env_remove("PGBUS_LOG")
         .stdin(Stdio::null())

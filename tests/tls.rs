@@ -1,0 +1,209 @@
+//! pgbus over TLS, against the test kit's TLS-only PostgreSQL (`hostssl` only, password
+//! login, a certificate for `localhost` signed by the kit's CA): every `sslmode` as libpq
+//! means it, a wrong CA and a wrong host name refused with a reason that says so, root
+//! certificates from `sslrootcert`, `PGSSLROOTCERT` and `~/.postgresql/root.crt`, and a
+//! bus whose pool and LISTEN connection are both encrypted.
+
+use std::path::Path;
+use std::time::Duration;
+
+use futures::StreamExt;
+use pgbus::{Bus, ConnectConfig, Event, SslMode};
+use pgbus_testkit::tls::TlsServer;
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// An environment with only `HOME` (an empty directory unless given), so that neither
+/// the machine's `PG*` variables nor its `~/.postgresql` can change the outcome.
+fn env_with(home: &Path, vars: &[(&str, String)]) -> impl Fn(&str) -> Option<String> + use<> {
+    let mut vars: Vec<(String, String)> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    vars.push(("HOME".into(), home.display().to_string()));
+    move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+}
+
+fn empty_home() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+/// Connects with `url` (and `env`); on success, whether the session is encrypted.
+async fn encrypted(url: &str, env: impl Fn(&str) -> Option<String>) -> Result<bool, String> {
+    let config = ConnectConfig::parse_with_env(url, env).map_err(|e| e.to_string())?;
+    let client = config
+        .connect()
+        .await
+        .map_err(|e| pgbus_testkit::error_chain(&e))?;
+    let row = client
+        .query_one(
+            "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap();
+    Ok(row.get("ssl"))
+}
+
+/// The server's database at `host`, with `sslmode` and `sslrootcert`.
+fn at(server: &TlsServer, host: &str, sslmode: &str, root: &str) -> String {
+    server.url_to(host, server.database(), sslmode, &[("sslrootcert", root)])
+}
+
+/// [`encrypted`] with only `HOME` (`home`) in the environment.
+async fn encrypted_at(url: String, home: &Path) -> Result<bool, String> {
+    encrypted(&url, env_with(home, &[])).await
+}
+
+fn ca(server: &TlsServer) -> String {
+    server.ca_pem().display().to_string()
+}
+
+fn wrong_ca(server: &TlsServer) -> String {
+    server.wrong_ca_pem().display().to_string()
+}
+
+#[tokio::test]
+async fn modes_that_do_not_check_the_certificate_encrypt_or_are_refused() {
+    let server = TlsServer::shared().await;
+    let home = empty_home();
+    let env = || env_with(home.path(), &[]);
+    let refused = encrypted(&server.url("disable", &[]), env())
+        .await
+        .unwrap_err();
+    assert!(refused.contains("no encryption"), "{refused}");
+    for mode in ["allow", "prefer", "require"] {
+        assert_eq!(
+            encrypted(&server.url(mode, &[]), env()).await,
+            Ok(true),
+            "sslmode={mode}"
+        );
+    }
+    // As libpq: `require` with a root certificate checks the chain like verify-ca.
+    let err = encrypted(
+        &server.url("require", &[("sslrootcert", &wrong_ca(server))]),
+        env(),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.contains("UnknownIssuer"), "{err}");
+}
+
+#[tokio::test]
+async fn verify_ca_checks_the_signer_and_verify_full_also_the_name() {
+    let server = TlsServer::shared().await;
+    let home = empty_home();
+    let (ca, wrong) = (ca(server), wrong_ca(server));
+    let connect = |url: String| encrypted_at(url, home.path());
+    // The certificate names only `localhost`: by address, only verify-ca accepts it.
+    assert_eq!(
+        connect(at(server, "localhost", "verify-ca", &ca)).await,
+        Ok(true)
+    );
+    assert_eq!(
+        connect(at(server, "127.0.0.1", "verify-ca", &ca)).await,
+        Ok(true)
+    );
+    assert_eq!(
+        connect(at(server, "localhost", "verify-full", &ca)).await,
+        Ok(true)
+    );
+    let err = connect(at(server, "127.0.0.1", "verify-full", &ca))
+        .await
+        .unwrap_err();
+    assert!(err.contains("not valid for name"), "{err}");
+    for mode in ["verify-ca", "verify-full"] {
+        let err = connect(at(server, "localhost", mode, &wrong))
+            .await
+            .unwrap_err();
+        assert!(err.contains("UnknownIssuer"), "{mode}: {err}");
+    }
+    // No root certificate named and none in ~/.postgresql: the system's store, which
+    // does not hold the test's CA.
+    let err = connect(server.url("verify-full", &[])).await.unwrap_err();
+    assert!(err.contains("UnknownIssuer"), "{err}");
+}
+
+#[tokio::test]
+async fn root_certificates_come_from_the_environment_and_the_home_directory() {
+    let server = TlsServer::shared().await;
+    let home = empty_home();
+    let from_env = env_with(home.path(), &[("PGSSLROOTCERT", ca(server))]);
+    assert_eq!(
+        encrypted(&server.url("verify-full", &[]), from_env).await,
+        Ok(true)
+    );
+    std::fs::create_dir(home.path().join(".postgresql")).unwrap();
+    std::fs::copy(server.ca_pem(), home.path().join(".postgresql/root.crt")).unwrap();
+    assert_eq!(
+        encrypted(&server.url("verify-full", &[]), env_with(home.path(), &[])).await,
+        Ok(true)
+    );
+    // PGSSLMODE applies when the string has no sslmode.
+    let url = format!(
+        "host=localhost port={} user={} password={} dbname={}",
+        server.port(),
+        server.user(),
+        server.password(),
+        server.database()
+    );
+    let env = env_with(home.path(), &[("PGSSLMODE", "verify-full".into())]);
+    let config = ConnectConfig::parse_with_env(&url, &env).unwrap();
+    assert_eq!(config.ssl_mode(), SslMode::VerifyFull);
+    assert_eq!(encrypted(&url, env).await, Ok(true));
+}
+
+#[tokio::test]
+async fn a_bus_claims_acks_and_listens_over_verified_tls() {
+    let server = TlsServer::shared().await;
+    let database = server.new_database().await.unwrap();
+    let home = empty_home();
+    let ca = ca(server);
+    let url = server.url_to(
+        "localhost",
+        &database,
+        "verify-full",
+        &[("sslrootcert", &ca)],
+    );
+    let config = ConnectConfig::parse_with_env(&url, env_with(home.path(), &[])).unwrap();
+    let mut bus = Bus::builder(config.clone())
+        // An hour: only the notification, received over TLS, delivers promptly.
+        .poll_interval(Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    let mut sub = bus.subscribe("tls", ["tls.*"]).unwrap();
+    let running = bus.start().await.unwrap();
+    pgbus_testkit::wait_for("the bus to listen over TLS", WAIT, || async {
+        running.is_listening()
+    })
+    .await;
+    let client = config.connect().await.unwrap();
+    pgbus::publish(&client, &Event::new("tls.sent", json!({"n": 1})))
+        .await
+        .unwrap();
+    let delivery = pgbus_testkit::within("the event to arrive", WAIT, sub.next())
+        .await
+        .unwrap();
+    assert_eq!(delivery.event().name, "tls.sent");
+    delivery.ack().await.unwrap();
+    let plain: i64 = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE NOT s.ssl) AS plain
+             FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid)
+             WHERE a.application_name IN ('pgbus worker', 'pgbus listener')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get("plain");
+    assert_eq!(plain, 0);
+    running.shutdown().await.unwrap();
+    pgbus_testkit::wait_count(
+        &client,
+        "the acknowledgement to be written",
+        "SELECT count(*) FROM pgbus.deliveries",
+        0,
+    )
+    .await;
+}
