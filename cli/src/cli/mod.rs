@@ -113,7 +113,7 @@ fn database_config_with_env(
             e => e.to_string(),
         };
         usage(format!(
-            "error: DATABASE_URL is not usable ({}); {EXAMPLE}",
+            "error: DATABASE_URL is malformed ({}); {EXAMPLE}",
             reason.replace('\n', " ")
         ))
     })?;
