@@ -14,7 +14,7 @@ use futures::StreamExt;
 use pgbus::{Bus, Event};
 use pgbus_testkit::bench::{Server, seed_backlog};
 use tokio::runtime::Runtime;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 
 const DEFAULT_LARGE_BACKLOG: u64 = 1_000_000;
 const BURST: u64 = 2_000;
@@ -160,10 +160,11 @@ fn latency(c: &mut Criterion) {
     }
 
     // The floor: a bare NOTIFY committed on one connection, arriving on another.
-    let (listener, mut connection) = rt.block_on(db.config.connect(NoTls)).expect("listen");
+    let (listener, mut messages) = rt
+        .block_on(db.config.connect_with_messages())
+        .expect("listen");
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
     let reader = rt.spawn(async move {
-        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(Ok(m)) = messages.next().await {
             if let AsyncMessage::Notification(_) = m {
                 let _ = tx.send(Instant::now());

@@ -116,8 +116,8 @@ impl FromStr for SslMode {
     }
 }
 
-/// The notifications and notices of a connection, read while it is driven.
-pub(crate) type Messages =
+/// The notifications and notices of a connection: reading them drives it.
+pub type Messages =
     Pin<Box<dyn Stream<Item = std::result::Result<AsyncMessage, tokio_postgres::Error>> + Send>>;
 
 /// A TLS connector with its type erased, so that one [`ConnectConfig`] can carry rustls or
@@ -338,6 +338,16 @@ impl ConnectConfig {
         let (client, messages) = self.connect_raw(&self.pg).await?;
         tokio::spawn(drive(messages));
         Ok(client)
+    }
+
+    /// Opens one connection and hands over its messages (notifications, notices) to the
+    /// caller, whose reading them drives the connection: for a LISTEN of one's own.
+    ///
+    /// # Errors
+    ///
+    /// As [`ConnectConfig::connect`].
+    pub async fn connect_with_messages(&self) -> Result<(Client, Messages)> {
+        Ok(self.connect_raw(&self.pg).await?)
     }
 
     /// Connects with `config` (this one's, changed) through this TLS connector; the

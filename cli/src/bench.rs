@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 
 use pgbus::Result;
 use serde_json::{Value, json};
-use tokio_postgres::Config;
 
 mod batch;
 mod latency;
@@ -289,7 +288,7 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<&str>) -> Result<(
 }
 
 /// A bus builder for `config` with the bench's concurrency and `synchronous_commit`.
-fn bus(config: &Config, args: &BenchArgs) -> pgbus::BusBuilder {
+fn bus(config: &pgbus::ConnectConfig, args: &BenchArgs) -> pgbus::BusBuilder {
     pgbus::Bus::builder(config.clone())
         .concurrency(args.knobs.concurrency)
         .synchronous_commit(args.bus_synchronous_commit)

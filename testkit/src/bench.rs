@@ -22,11 +22,11 @@
 //! ```
 
 use serde_json::{Value, json};
+use tokio_postgres::Client;
 use tokio_postgres::binary_copy::BinaryCopyInWriter;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Config};
 
-use pgbus::{Error, Event, Result};
+use pgbus::{ConnectConfig, Error, Event, Result};
 
 use crate::embedded::{EmbeddedOptions, EmbeddedPostgres, ShutdownMode};
 use crate::sql::{PUBLISH_COLUMNS, PUBLISH_HEAD, PUBLISH_TAIL, PUBLISH_TYPES};
@@ -35,7 +35,7 @@ use crate::sql::{PUBLISH_COLUMNS, PUBLISH_HEAD, PUBLISH_TAIL, PUBLISH_TYPES};
 /// cluster of their own.
 #[derive(Debug)]
 pub struct Server {
-    admin: Config,
+    admin: ConnectConfig,
     embedded: Option<EmbeddedPostgres>,
 }
 
@@ -47,9 +47,9 @@ fn invalid(what: &'static str, reason: impl ToString) -> Error {
     }
 }
 
-/// [`crate::connect`], its error as pgbus's.
-async fn connect(config: &Config) -> Result<Client> {
-    Ok(crate::connect(config).await?)
+/// Connects over `config`'s TLS settings.
+async fn connect(config: &ConnectConfig) -> Result<Client> {
+    config.connect().await
 }
 
 impl Server {
@@ -64,7 +64,7 @@ impl Server {
     pub async fn start(database_url: Option<&str>) -> Result<Server> {
         let server = match database_url.filter(|u| !u.trim().is_empty()) {
             Some(url) => Server {
-                admin: url.parse().map_err(|e| invalid("database url", e))?,
+                admin: ConnectConfig::parse(url).map_err(|e| invalid("database url", e))?,
                 embedded: None,
             },
             None => {
@@ -72,7 +72,7 @@ impl Server {
                     .await
                     .map_err(|e| invalid("embedded server", e))?;
                 Server {
-                    admin: pg.config("postgres"),
+                    admin: pg.config("postgres").into(),
                     embedded: Some(pg),
                 }
             }
@@ -98,7 +98,7 @@ impl Server {
             .batch_execute(&format!("CREATE DATABASE \"{name}\""))
             .await?;
         let mut config = self.admin.clone();
-        config.dbname(&name);
+        config.pg_config_mut().dbname(&name);
         let db = BenchDb {
             config,
             admin: self.admin.clone(),
@@ -151,8 +151,8 @@ impl Server {
 #[derive(Debug)]
 pub struct BenchDb {
     /// How to connect to it.
-    pub config: Config,
-    admin: Config,
+    pub config: ConnectConfig,
+    admin: ConnectConfig,
     name: String,
 }
 
@@ -168,7 +168,7 @@ impl BenchDb {
 
     /// A libpq `key=value` connection string for this database.
     pub fn conninfo(&self) -> String {
-        crate::conninfo(&self.config)
+        crate::conninfo(self.config.pg_config())
     }
 
     /// Drops the database (disconnecting whoever is still connected).

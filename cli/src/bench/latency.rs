@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_json::json;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 
 use super::{BenchArgs, BenchDb, Report, Runs, Server, histogram, record, wait_until};
 use pgbus::Event;
@@ -203,10 +203,9 @@ async fn once(db: &BenchDb, args: &BenchArgs, poll_only: bool) -> Result<(Hist, 
 /// The raw LISTEN/NOTIFY round trip: a bare `NOTIFY` committed on one connection, its
 /// arrival on a listening connection driven by `poll_message`.
 async fn notify_floor(db: &BenchDb, n: usize, gap: Duration) -> Result<Hist> {
-    let (listener, mut connection) = db.config.connect(NoTls).await?;
+    let (listener, mut messages) = db.config.connect_with_messages().await?;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
     let reader = tokio::spawn(async move {
-        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(Ok(message)) = messages.next().await {
             if let AsyncMessage::Notification(_) = message {
                 let _ = tx.send(Instant::now());

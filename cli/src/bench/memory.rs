@@ -28,7 +28,7 @@ fn vm() -> (u64, u64) {
 }
 
 /// The consumer: drains the backlog of the database it is given and reports its peak RSS.
-async fn consume(config: tokio_postgres::Config, backlog: u64, args: &BenchArgs) -> Result<Value> {
+async fn consume(config: pgbus::ConnectConfig, backlog: u64, args: &BenchArgs) -> Result<Value> {
     let (hwm_before, rss_before) = vm();
     let started = Instant::now();
     let running = super::bus(&config, args)
@@ -59,8 +59,7 @@ async fn consume(config: tokio_postgres::Config, backlog: u64, args: &BenchArgs)
 /// `bench-memory` in `database_url` and prints its figures as one JSON line.
 pub(super) async fn run_child(args: &BenchArgs, database_url: Option<&str>) -> Result<()> {
     let url = database_url.ok_or_else(|| super::invalid("database url", "not given"))?;
-    let config: tokio_postgres::Config = url
-        .parse()
+    let config = pgbus::ConnectConfig::parse(url)
         .map_err(|e| super::invalid("database url", format!("{e}")))?;
     let backlog = args
         .knobs

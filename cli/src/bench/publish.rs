@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_json::{Value, json};
+use tokio_postgres::Client;
 use tokio_postgres::types::Type;
-use tokio_postgres::{Client, NoTls};
 
 use super::{BenchArgs, BenchDb, PublishState, Report, Runs, Server, round};
 use pgbus::Event;
@@ -156,12 +156,9 @@ async fn enter_state(
                 .await?;
             if !awake {
                 // A sleeping consumer LISTENs: each notification signals its backend.
-                let (client, mut connection) = db.config.connect(NoTls).await?;
-                let task = tokio::spawn(async move {
-                    let mut messages =
-                        futures::stream::poll_fn(move |cx| connection.poll_message(cx));
-                    while let Some(Ok(_)) = messages.next().await {}
-                });
+                let (client, mut messages) = db.config.connect_with_messages().await?;
+                let task =
+                    tokio::spawn(async move { while let Some(Ok(_)) = messages.next().await {} });
                 client.batch_execute("LISTEN pgbus").await?;
                 listener = Some(Listener {
                     _client: client,
