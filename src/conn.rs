@@ -11,9 +11,11 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
 use tokio_postgres::Row;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::WarnGate;
 use crate::connect::ConnectConfig;
 use crate::error::{Error, Result};
 
@@ -52,6 +54,8 @@ pub(crate) struct Db {
     connect: ConnectConfig,
     /// Behind a pooler: what opens each statement's transaction.
     begin: Option<Arc<str>>,
+    /// Limits the warning that a direct bus seems to be behind a pooler.
+    pooler_hint: Arc<WarnGate>,
 }
 
 impl std::fmt::Debug for Db {
@@ -133,6 +137,7 @@ impl Db {
             pool,
             connect,
             begin,
+            pooler_hint: Arc::default(),
         })
     }
 
@@ -157,7 +162,19 @@ impl Db {
     ) -> Result<Vec<Row>> {
         let Some(begin) = &self.begin else {
             let stmt = client.prepare_typed_cached(sql, types).await?;
-            return Ok(client.query(&stmt, params).await?);
+            return client.query(&stmt, params).await.map_err(|e| {
+                if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME)
+                    && self.pooler_hint.allow()
+                {
+                    tracing::warn!(
+                        error = %e,
+                        "a prepared statement of pgbus's disappeared from its connection: if \
+                         this address is a transaction-mode pooler, say so \
+                         (ConnectConfig::pooler, `consume --pooler`, PGBUS_POOLER=1)"
+                    );
+                }
+                e.into()
+            });
         };
         let typed: Vec<(&(dyn ToSql + Sync), Type)> = params
             .iter()
