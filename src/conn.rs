@@ -194,6 +194,32 @@ impl Db {
         Ok(rows)
     }
 
+    /// Runs `work`, statements on `client` that are not one of [`Db::query`]'s (an
+    /// operator function of `admin`), under the bus's settings: as they are on a direct
+    /// connection; behind a pooler, in a transaction that sets them locally.
+    pub(crate) async fn with_settings<T>(
+        &self,
+        client: &tokio_postgres::Client,
+        work: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let Some(begin) = &self.begin else {
+            return work.await;
+        };
+        client.batch_execute(begin).await?;
+        match work.await {
+            Ok(done) => {
+                client.batch_execute("COMMIT").await?;
+                Ok(done)
+            }
+            Err(e) => {
+                // A failed statement already ended the transaction's work; a broken
+                // connection ends it with the session.
+                let _ = client.batch_execute("ROLLBACK").await;
+                Err(e)
+            }
+        }
+    }
+
     /// Runs `work` (statements on `client`) unless `stop` fires first; then the
     /// statement in flight is cancelled on the server (it rolls back, at its own
     /// boundary) and `None` is returned. A statement abandoned without a cancel would run

@@ -304,7 +304,10 @@ impl Maintainer {
         let batch = crate::admin::DEFAULT_SWEEP_BATCH;
         let swept = async {
             let client = self.client().await?;
-            let work = crate::admin::sweep_batch(&client, retention, batch);
+            let work = self.db().with_settings(
+                &client,
+                crate::admin::sweep_batch(&**client, retention, batch),
+            );
             self.db()
                 .unless_stopped(&client, self.shutdown.token(), work)
                 .await
