@@ -335,16 +335,24 @@ impl Claimer {
 
     /// Runs one claim statement and takes its rows.
     async fn claim(&self, ask: &Ask) -> Result<Claimed> {
+        // `claim`, without a destination: one claim serves every subscription of the bus.
         let span = tracing::debug_span!(
             "pgbus.claim",
-            messaging.system = "postgresql",
-            messaging.operation = "receive",
+            otel.name = "claim",
+            otel.kind = "consumer",
+            messaging.system = "pgbus",
+            messaging.operation.type = "receive",
+            messaging.operation.name = "claim",
             messaging.batch.message_count = tracing::field::Empty,
-            pgbus.requested = ask.free,
+            pgbus.requested = ask.free as i64,
         );
         let rows = self.claim_rows(ask).instrument(span.clone()).await?;
         let claimed = self.take(rows);
-        span.record("messaging.batch.message_count", claimed.deliveries.len());
+        // As an i64: the OpenTelemetry layer records a u64 as text.
+        span.record(
+            "messaging.batch.message_count",
+            claimed.deliveries.len() as i64,
+        );
         Ok(claimed)
     }
 

@@ -18,6 +18,7 @@ use crate::error::HandlerError;
 use crate::handler::DynHandler;
 use crate::settle::Action;
 use crate::shutdown::Shutdown;
+use crate::trace_context;
 
 /// Where a subscription's deliveries go.
 pub(crate) enum Target {
@@ -138,16 +139,25 @@ impl Run {
         deadline: Option<tokio::time::Instant>,
     ) -> Action {
         let event = delivery.event();
+        // Named `process <subscription>`: subscriptions are few and known to the consumer,
+        // event names are as many as the publishers make.
         let span = tracing::info_span!(
-            "pgbus.deliver",
-            messaging.system = "postgresql",
-            messaging.operation = "process",
+            "pgbus.process",
+            otel.name = %format_args!("process {}", delivery.subscription()),
+            otel.kind = "consumer",
+            otel.status_code = tracing::field::Empty,
+            messaging.system = "pgbus",
+            messaging.operation.type = "process",
+            messaging.operation.name = "process",
             messaging.destination.name = %event.name,
             messaging.destination.subscription.name = %delivery.subscription(),
             messaging.message.id = %event.id,
             messaging.message.conversation_id = event.correlation_id.as_deref(),
             pgbus.attempt = delivery.attempt(),
+            error.type = tracing::field::Empty,
         );
+        // A child of the publisher's context, linked to it (`opentelemetry` feature).
+        trace_context::follow(&span, event);
         // Called inside the future, so that a handler panicking before it returns its
         // future (a closure's synchronous part) is caught too.
         let run = AssertUnwindSafe(async { self.handler.call(event, cx).await }).catch_unwind();
@@ -158,22 +168,27 @@ impl Run {
                 .ok(),
             None => Some(run.instrument(span.clone()).await),
         };
-        let error = match outcome {
+        let (error, kind) = match outcome {
             Some(Ok(Ok(()))) => return Action::Ack,
             Some(Ok(Err(e))) => {
                 span.in_scope(|| tracing::debug!(error = %e, "pgbus handler failed"));
-                e
+                (e, "handler_error")
             }
             Some(Err(panic)) => {
                 let msg = format!("handler panicked: {}", panic_message(&*panic));
                 span.in_scope(|| tracing::warn!(error = %msg, "pgbus handler panicked"));
-                HandlerError::new(msg)
+                (HandlerError::new(msg), "panic")
             }
-            None => HandlerError::new(format!(
-                "handler timed out after {:?}",
-                self.timeout.unwrap_or_default()
-            )),
+            None => (
+                HandlerError::new(format!(
+                    "handler timed out after {:?}",
+                    self.timeout.unwrap_or_default()
+                )),
+                "timeout",
+            ),
         };
+        span.record("error.type", kind);
+        span.record("otel.status_code", "error");
         delivery.fail_action(&error)
     }
 }

@@ -59,6 +59,7 @@ mod sql;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
 mod stats;
+pub mod trace_context;
 
 pub use bus::{
     Bus, BusBuilder, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_BYTES, DEFAULT_CONCURRENCY,
@@ -107,8 +108,9 @@ pub mod __private {
     }
 }
 
-/// The README's examples, compiled as doc tests. Only with the `sqlx` feature (as
-/// `scripts/check` runs them, `--all-features`): the README's sqlx example needs it.
+/// The README's examples, compiled as doc tests. Only with the `sqlx` and
+/// `opentelemetry` features (as `scripts/check` runs them, `--all-features`): the
+/// README's sqlx and tracing examples need them.
 #[doc = include_str!("../README.md")]
-#[cfg(all(doctest, feature = "sqlx"))]
+#[cfg(all(doctest, feature = "sqlx", feature = "opentelemetry"))]
 pub struct ReadmeDoctests;

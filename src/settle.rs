@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::backoff::{self, WarnGate};
 use crate::error::{Error, Result};
@@ -376,7 +377,17 @@ impl Acker {
         let worker: &str = &self.worker;
         params.push(&worker);
         let run = self.db.query(&client, sql::SETTLE, &SETTLE_TYPES, &params);
-        match self.db.unless_stopped(&client, &self.deadline, run).await {
+        // `settle`, without a destination: a batch holds any subscriptions' settlements.
+        let span = tracing::debug_span!(
+            "pgbus.settle",
+            otel.name = "settle",
+            messaging.system = "pgbus",
+            messaging.operation.type = "settle",
+            messaging.operation.name = "settle",
+            messaging.batch.message_count = batch.len() as i64,
+        );
+        let stopped = self.db.unless_stopped(&client, &self.deadline, run);
+        match stopped.instrument(span).await {
             Some(rows) => Settled::read(rows?),
             None => Err(Error::Timeout(
                 "writing settlements before the shutdown deadline",

@@ -533,6 +533,10 @@ pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
 /// for one event, `unnest` of arrays for a batch), `AS` [`PUBLISH_COLUMNS`], then
 /// [`PUBLISH_TAIL`].
 ///
+/// The content compared is the name, version, aggregate, payload and headers, less the
+/// trace context (`traceparent`, `tracestate`: they describe one attempt to publish, as
+/// a correlation id does), so a retry from another trace is a duplicate.
+///
 /// `conflict` finds an id already in the log with different content; then nothing is
 /// inserted, so a conflict writes nothing. A conflicting row committed after this
 /// statement's snapshot is caught by ON CONFLICT, whose no-op update makes it visible in
@@ -545,10 +549,11 @@ pub const PUBLISH_HEAD: &str = "WITH t AS (SELECT * FROM ";
 pub const PUBLISH_TAIL: &str = "),
 conflict AS (
   SELECT t.id FROM t JOIN pgbus.events AS e ON e.id = t.id
-  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload, e.headers)
+  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload,
+         e.headers - '{traceparent,tracestate}'::text[])
         IS DISTINCT FROM
         (t.event_name, t.event_version, t.aggregate_type, t.aggregate_id,
-         t.payload::jsonb, t.headers::jsonb)
+         t.payload::jsonb, t.headers::jsonb - '{traceparent,tracestate}'::text[])
   LIMIT 1
 ),
 written AS (
@@ -563,10 +568,12 @@ written AS (
   FROM t
   WHERE NOT EXISTS (SELECT 1 FROM conflict)
   ON CONFLICT ON CONSTRAINT events_id_key DO UPDATE SET id = EXCLUDED.id
-  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload, e.headers)
+  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload,
+         e.headers - '{traceparent,tracestate}'::text[])
         IS DISTINCT FROM
         (EXCLUDED.event_name, EXCLUDED.event_version, EXCLUDED.aggregate_type,
-         EXCLUDED.aggregate_id, EXCLUDED.payload, EXCLUDED.headers)
+         EXCLUDED.aggregate_id, EXCLUDED.payload,
+         EXCLUDED.headers - '{traceparent,tracestate}'::text[])
   RETURNING e.id, xmax = 0 AS inserted
 )
 SELECT (SELECT count(*) FROM written WHERE inserted) AS inserted,

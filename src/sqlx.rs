@@ -129,9 +129,10 @@ pub async fn publish_with<'c, E: PgExecutor<'c>>(
     executor: E,
     event: &Event,
 ) -> Result<Published> {
-    let row = publisher.row(event)?;
+    let span = publish_span(event);
+    let row = publisher.row(event, &span)?;
     let query = bind_params!(statement(one_sql()), row);
-    let (inserted, conflict) = send(query, executor, publish_span(event)).await?;
+    let (inserted, conflict) = send(query, executor, span).await?;
     published(inserted, conflict)
 }
 
@@ -145,11 +146,12 @@ pub async fn publish_batch_with<'c, E: PgExecutor<'c>>(
     executor: E,
     events: &[Event],
 ) -> Result<u64> {
-    let Some(columns) = publisher.columns(events)? else {
+    let span = batch_span(events);
+    let Some(columns) = publisher.columns(events, &span)? else {
         return Ok(0);
     };
     let query = bind_params!(statement(batch_sql()), columns);
-    let (inserted, conflict) = send(query, executor, batch_span(events)).await?;
+    let (inserted, conflict) = send(query, executor, span).await?;
     batch_published(inserted, conflict)
 }
 

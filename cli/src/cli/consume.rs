@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use pgbus::trace_context::{TRACEPARENT, TRACESTATE, TraceParent, check_tracestate};
 use pgbus::{
     Bus, DeadHeadPolicy, Delivery, HandlerError, RetryPolicy, Subscription, SubscriptionOptions,
 };
@@ -50,7 +51,8 @@ once the line is written and flushed:
 
 With --exec CMD, CMD runs under `sh -c` for each delivery with that JSON on standard
 input and PGBUS_SUBSCRIPTION, PGBUS_EVENT_ID, PGBUS_EVENT_NAME and PGBUS_ATTEMPT in its
-environment: exit 0 acks; any other exit is a failed attempt whose error is the end of
+environment, and TRACEPARENT (and TRACESTATE) when the event carries a trace context (the
+headers traceparent and tracestate, as `pgbus publish` writes them): exit 0 acks; any other exit is a failed attempt whose error is the end of
 the command's standard error, retried with exponential backoff until --max-attempts, then
 a dead letter (see `pgbus dead`). The exit status alone decides: standard error still
 open when the command exits (a background child holds it) is read for 100ms more, then
@@ -526,7 +528,9 @@ async fn run_command(
     input: &str,
 ) -> (Result<(), String>, Option<Group>) {
     let event = delivery.event();
-    let spawned = tokio::process::Command::new("sh")
+    let mut sh = tokio::process::Command::new("sh");
+    trace_env(&mut sh, event);
+    let spawned = sh
         .arg("-c")
         .arg(command)
         .env("PGBUS_SUBSCRIPTION", delivery.subscription())
@@ -596,6 +600,21 @@ async fn run_command(
         },
     };
     (result, Some(group))
+}
+
+/// The event's trace context in the command's environment, as OpenTelemetry's process
+/// carriers: `TRACEPARENT` (and `TRACESTATE`) from its headers when it carries a
+/// well-formed `traceparent`; never pgbus's own (another trace's).
+fn trace_env(sh: &mut tokio::process::Command, event: &pgbus::Event) {
+    sh.env_remove("TRACEPARENT").env_remove("TRACESTATE");
+    let header = |key: &str| event.headers.get(key).and_then(serde_json::Value::as_str);
+    let Some(parent) = header(TRACEPARENT).filter(|p| p.parse::<TraceParent>().is_ok()) else {
+        return;
+    };
+    sh.env("TRACEPARENT", parent);
+    if let Some(state) = header(TRACESTATE).filter(|s| check_tracestate(s).is_ok()) {
+        sh.env("TRACESTATE", state);
+    }
 }
 
 /// Writes the event to the command's standard input and closes it.

@@ -3,6 +3,7 @@
 use std::io::Read as _;
 use std::time::Duration;
 
+use pgbus::trace_context::{TRACEPARENT, TRACESTATE, TraceParent, check_tracestate};
 use pgbus::{Event, Published};
 use serde_json::{Value, json};
 
@@ -17,6 +18,10 @@ Examples:
   pgbus publish reminder.due '{}' --delay 30m
   echo '{\"order_id\": 43}' | pgbus publish order.placed -
   jq -c '.orders[]' orders.json | pgbus publish order.imported - --lines
+
+The trace context of the caller (OpenTelemetry's process carriers, the environment
+variables TRACEPARENT and TRACESTATE) goes into the headers traceparent and tracestate,
+unless --header gives either; a malformed traceparent or tracestate is refused.
 
 Prints the id of each event published. An event whose id is already in the log with the
 same content is not published twice; with different content the command fails and
@@ -103,6 +108,40 @@ impl PublishArgs {
         event
     }
 
+    /// Adds the trace context of the environment (`TRACEPARENT`, `TRACESTATE`: the
+    /// OpenTelemetry carriers of a process) to the headers, unless `--header` gives a
+    /// `traceparent` or a `tracestate`; then checks the trace context's headers, from
+    /// either: a malformed one is bad input (exit 2, nothing published).
+    fn add_trace_context(&mut self) -> Result<(), Failure> {
+        let given = |key: &str| self.headers.iter().any(|(k, _)| k == key);
+        let mut from_env = Vec::new();
+        if !given(TRACEPARENT)
+            && !given(TRACESTATE)
+            && let Some(parent) = env_var("TRACEPARENT")?
+        {
+            from_env.push((TRACEPARENT, parent, "the environment variable TRACEPARENT"));
+            if let Some(state) = env_var("TRACESTATE")? {
+                from_env.push((TRACESTATE, state, "the environment variable TRACESTATE"));
+            }
+        }
+        let flags = self
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v, "--header"));
+        let env = from_env.iter().map(|(k, v, from)| (*k, v, *from));
+        for (key, value, from) in flags.chain(env) {
+            let checked = match key {
+                TRACEPARENT => value.parse::<TraceParent>().map(drop),
+                TRACESTATE => check_tracestate(value),
+                _ => Ok(()),
+            };
+            checked.map_err(|e| usage(format!("error: {e}, from {from}")))?;
+        }
+        let env = from_env.into_iter().map(|(k, v, _)| (k.to_string(), v));
+        self.headers.extend(env);
+        Ok(())
+    }
+
     /// The one event to publish (without --lines), read and checked before connecting.
     fn event_from_args(&self) -> Result<Event, Failure> {
         let text = match self.payload.as_deref() {
@@ -164,8 +203,21 @@ async fn publish_lines(
     Ok((ids, inserted))
 }
 
-pub(crate) async fn run(args: PublishArgs, url: Option<&str>) -> Result<(), Failure> {
+/// An environment variable; unset and empty are the same (no value).
+fn env_var(name: &str) -> Result<Option<String>, Failure> {
+    match std::env::var(name) {
+        Ok(value) if value.is_empty() => Ok(None),
+        Ok(value) => Ok(Some(value)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(usage(format!(
+            "error: the environment variable {name} is not valid UTF-8"
+        ))),
+    }
+}
+
+pub(crate) async fn run(mut args: PublishArgs, url: Option<&str>) -> Result<(), Failure> {
     let config = super::database_config(url)?;
+    args.add_trace_context()?;
     if args.lines {
         if args.payload.as_deref() != Some("-") {
             return Err(usage(

@@ -40,6 +40,8 @@ pub fn pgbus() -> Command {
     }
     cmd.env_remove("DATABASE_URL")
         .env_remove("PGBUS_LOG")
+        .env_remove("TRACEPARENT")
+        .env_remove("TRACESTATE")
         .stdin(Stdio::null())
         .kill_on_drop(true);
     cmd
