@@ -135,8 +135,9 @@ pub(crate) struct ForwardArgs {
 
 /// What the forwarder did, reported when it stops.
 #[derive(Debug, Default)]
-struct Counts {
-    forwarded: AtomicU64,
+pub(crate) struct Counts {
+    /// Events the broker stored.
+    pub(crate) forwarded: AtomicU64,
     duplicates: AtomicU64,
     retried: AtomicU64,
     rejected: AtomicU64,
@@ -144,7 +145,7 @@ struct Counts {
 
 /// Forwards the deliveries of `subscription` into `sink`, up to `concurrency` at once,
 /// until the subscription ends (the bus stops) or `stop` is cancelled.
-async fn forward(
+pub(crate) async fn forward(
     subscription: Subscription,
     sink: Arc<dyn Sink>,
     concurrency: usize,

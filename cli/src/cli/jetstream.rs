@@ -53,6 +53,20 @@ pub(crate) struct NatsArgs {
     publish_timeout: Duration,
 }
 
+impl NatsArgs {
+    /// The defaults, with the one server `url`.
+    pub(crate) fn url(url: String) -> NatsArgs {
+        NatsArgs {
+            urls: vec![url],
+            nats_creds: None,
+            nats_nkey: None,
+            nats_ca: None,
+            nats_tls: false,
+            publish_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
 /// Checks `--subject-prefix`: one or more subject tokens, without wildcards.
 pub(crate) fn check_prefix(prefix: &str) -> Result<(), Failure> {
     if valid_subject(prefix) && !prefix.split('.').any(|t| t == "*" || t == ">") {

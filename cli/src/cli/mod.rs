@@ -9,7 +9,7 @@ pub(crate) mod consume;
 pub(crate) mod demo;
 pub(crate) mod forward;
 mod group;
-mod jetstream;
+pub(crate) mod jetstream;
 pub(crate) mod keys;
 pub(crate) mod publish;
 pub(crate) mod status;
