@@ -33,9 +33,14 @@ struct Forwarder {
 impl Forwarder {
     /// Starts `pgbus forward ARGS` against `nats` and waits until it forwards.
     async fn start(db: &common::TestDb, nats: &NatsServer, args: &[&str]) -> Forwarder {
+        Forwarder::start_at(db, &nats.url(), args).await
+    }
+
+    /// Starts `pgbus forward --nats-url URL ARGS` and waits until it forwards.
+    async fn start_at(db: &common::TestDb, url: &str, args: &[&str]) -> Forwarder {
         let mut cmd = pgbus_on(db);
         cmd.arg("forward")
-            .args(["--nats-url", &nats.url()])
+            .args(["--nats-url", url])
             .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -103,6 +108,17 @@ async fn wait_messages(js: &jetstream::Context, stream: &str, n: u64) {
     common::wait_for(&format!("{n} messages in {stream}"), WAIT, || async {
         stream_messages(js, stream).await >= n
     })
+    .await;
+}
+
+/// Waits until every delivery of `subscription` is acknowledged (forwarded).
+async fn wait_forwarded(client: &tokio_postgres::Client, subscription: &str) {
+    common::wait_count(
+        client,
+        &format!("every delivery of {subscription} forwarded"),
+        &format!("SELECT count(*) FROM pgbus.deliveries WHERE subscription = '{subscription}'"),
+        0,
+    )
     .await;
 }
 
@@ -195,13 +211,7 @@ async fn ten_thousand_keyed_events_reach_the_stream_once_each_in_key_order_throu
         .unwrap();
 
     let client = db.connect().await;
-    common::wait_count(
-        &client,
-        "every delivery acknowledged",
-        "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'relay'",
-        0,
-    )
-    .await;
+    wait_forwarded(&client, "relay").await;
     assert_eq!(forwarder.terminate().await, 0);
 
     let stored = read_all(&js, STREAM).await;
@@ -243,13 +253,7 @@ async fn a_rolled_back_publish_never_reaches_nats_and_a_committed_one_arrives_wi
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         );
     pgbus::publish(&client, &kept).await.unwrap();
-    common::wait_count(
-        &client,
-        "the committed event forwarded",
-        "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'out'",
-        0,
-    )
-    .await;
+    wait_forwarded(&client, "out").await;
     assert_eq!(forwarder.terminate().await, 0);
 
     let stored = read_all(&js, STREAM).await;
@@ -341,4 +345,27 @@ async fn a_stream_that_does_not_fit_is_reported_at_start_with_exit_2_and_nothing
         0,
         "no subscription was registered"
     );
+}
+
+#[tokio::test]
+async fn a_user_and_password_in_the_nats_url_authenticate_the_forwarder() {
+    let db = common::test_db().await;
+    let nats = NatsServer::start_with(&["--user", "relay", "--pass", "s3cret"])
+        .await
+        .unwrap();
+    let url = format!("nats://relay:s3cret@127.0.0.1:{}", nats.port());
+    let forwarder = Forwarder::start_at(&db, &url, &["-s", "auth", "-p", "auth.*"]).await;
+    let client = db.connect().await;
+    let event = Event::new("auth.checked", json!({"ok": true}));
+    pgbus::publish(&client, &event).await.unwrap();
+    wait_forwarded(&client, "auth").await;
+    assert_eq!(forwarder.terminate().await, 0);
+    let reader =
+        async_nats::ConnectOptions::with_user_and_password("relay".into(), "s3cret".into())
+            .connect(nats.url())
+            .await
+            .unwrap();
+    let stored = read_all(&jetstream::new(reader), STREAM).await;
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].id, event.id);
 }

@@ -43,6 +43,8 @@ const START_ATTEMPTS: usize = 3;
 #[derive(Debug)]
 pub struct NatsServer {
     program: PathBuf,
+    /// Options added to `nats-server`'s command line (e.g. `--user`, `--pass`).
+    extra: Vec<String>,
     child: Option<Child>,
     guardian: Option<(Child, ChildStdin)>,
     dir: PathBuf,
@@ -68,12 +70,23 @@ impl NatsServer {
     /// [`FixtureError::NatsServerExited`] or [`FixtureError::NatsServerNotReady`] with the
     /// end of its log, [`FixtureError::Io`].
     pub async fn start() -> Result<NatsServer, FixtureError> {
+        Self::start_with(&[]).await
+    }
+
+    /// [`start`](Self::start) with more options for `nats-server` (e.g. `["--user", "relay",
+    /// "--pass", "secret"]`: clients must then authenticate).
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start).
+    pub async fn start_with(options: &[&str]) -> Result<NatsServer, FixtureError> {
         let program = find_nats_server()?;
         let mut attempt = 1;
         loop {
             let dir = crate::embedded::unique_dir(&std::env::temp_dir(), "pgbus-nats-")?;
             let mut server = NatsServer {
                 program: program.clone(),
+                extra: options.iter().map(|o| o.to_string()).collect(),
                 child: None,
                 guardian: None,
                 dir,
@@ -102,6 +115,7 @@ impl NatsServer {
             .arg(self.dir.join("store"))
             .arg("-l")
             .arg(&log)
+            .args(&self.extra)
             .current_dir(&self.dir)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

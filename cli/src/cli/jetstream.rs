@@ -222,6 +222,14 @@ impl JetStream {
                 .map_err(|e| usage(format!("error: --nats-url {url:?} is not valid: {e}")))?;
             servers.push(addr);
         }
+        // Credentials in a URL (the first that has any): user and password, or a token.
+        if let Some(addr) = servers.iter().find(|a| a.username().is_some()) {
+            let user = addr.username().unwrap_or_default().to_string();
+            options = match addr.password() {
+                Some(password) => options.user_and_password(user, password.to_string()),
+                None => options.token(user),
+            };
+        }
         let client = options
             .connect(servers)
             .await
