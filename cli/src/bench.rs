@@ -14,6 +14,7 @@
 //! | `mixed` | latency while producers run at a fixed offered rate |
 //! | `memory` | peak RSS of a consumer draining a backlog |
 //! | `batch` | `publish_batch` (unnest) against binary COPY, and the cost of one call |
+//! | `forward` | `pgbus forward` into NATS JetStream: a backlog's rate, and commit → PubAck at idle (not in `all`: it needs `nats-server`) |
 //!
 //! Latencies come from an HDR histogram (microsecond resolution) and are reported in
 //! milliseconds; rates in events per second. Every figure is the median of `--runs` runs,
@@ -25,6 +26,7 @@ use pgbus::Result;
 use serde_json::{Value, json};
 
 mod batch;
+mod forward;
 mod latency;
 mod memory;
 mod mixed;
@@ -61,6 +63,9 @@ pub(crate) enum Workload {
     Batch,
     /// Every workload above, in that order.
     All,
+    /// `pgbus forward` into NATS JetStream (a `nats-server -js` of its own): a backlog's
+    /// rate, unordered and ordered, and commit → PubAck latency at idle.
+    Forward,
 }
 
 impl Workload {
@@ -73,6 +78,7 @@ impl Workload {
             Workload::Memory => "memory",
             Workload::Batch => "batch",
             Workload::All => "all",
+            Workload::Forward => "forward",
         }
     }
 }
@@ -143,12 +149,12 @@ pub(crate) struct BenchArgs {
 #[derive(Debug, Clone, clap::Args)]
 #[non_exhaustive]
 pub(crate) struct Knobs {
-    /// latency: events published (one per transaction). mixed: seconds of offered load
+    /// latency, forward: events published (one per transaction) at idle. mixed: seconds of offered load
     /// are set by --seconds instead.
     #[arg(long, default_value_t = 1000)]
     pub events: u64,
 
-    /// latency: pause between two events, in milliseconds.
+    /// latency, forward: pause between two events, in milliseconds.
     #[arg(long, default_value_t = 5)]
     pub interval_ms: u64,
 
@@ -156,7 +162,8 @@ pub(crate) struct Knobs {
     #[arg(long)]
     pub poll_only: bool,
 
-    /// throughput: events pending when the bus starts (default 20,000).
+    /// throughput, forward: events pending when the bus starts (default 20,000; forward
+    /// takes the first).
     /// memory: the backlogs compared (default 20,000 and 1,000,000).
     #[arg(long, value_delimiter = ',')]
     pub backlog: Vec<u64>,
@@ -169,7 +176,7 @@ pub(crate) struct Knobs {
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
     /// throughput: make the subscriptions ordered, with the events spread over this many
-    /// ordering keys (0: unordered).
+    /// ordering keys (0: unordered). forward: the ordered case's keys (0: 100).
     #[arg(long, default_value_t = 0)]
     pub ordered_keys: u64,
 
@@ -267,6 +274,7 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<&str>) -> Result<(
             Workload::Mixed => reports.push(mixed::run(&server, &args).await?),
             Workload::Memory => reports.push(memory::run(&server, &args).await?),
             Workload::Batch => reports.push(batch::run(&server, &args).await?),
+            Workload::Forward => reports.push(forward::run(&server, &args).await?),
             Workload::All => {}
         }
         for report in reports {

@@ -50,6 +50,8 @@ enum Command {
     Publish(cli::publish::PublishArgs),
     /// Deliver a subscription's events to standard output or to a command, until stopped.
     Consume(cli::consume::ConsumeArgs),
+    /// Relay a subscription into NATS JetStream, each event acknowledged after its PubAck.
+    Forward(cli::forward::ForwardArgs),
     /// Show each subscription's backlog, lag, dead letters and consumers.
     Status(cli::status::StatusArgs),
     /// List, retry or purge dead letters.
@@ -91,6 +93,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Publish(args) => cli::publish::run(args, url).await,
         Command::Consume(args) => cli::consume::run(args, url).await,
+        Command::Forward(args) => cli::forward::run(args, url).await,
         Command::Status(args) => cli::status::run(args, url).await,
         Command::Dead(command) => cli::admin::dead(command, url).await,
         Command::Keys(command) => cli::keys::keys(command, url).await,

@@ -41,7 +41,8 @@
 //! - [`embedded`]: the throwaway PostgreSQL server itself.
 //! - [`tls`]: a PostgreSQL server that accepts TCP connections over TLS only, with its
 //!   certificates; [`pgbouncer`]: PgBouncer in transaction mode, configured so that
-//!   whatever a client leaves on a server connection is gone at the next transaction.
+//!   whatever a client leaves on a server connection is gone at the next transaction;
+//!   [`nats`]: a NATS server with JetStream, on a free port with a store of its own.
 //! - [`bench`](mod@bench): databases and data for benchmarks (pgbus's criterion benches and `pgbus
 //!   bench`).
 //!
@@ -59,7 +60,11 @@ pub mod embedded;
 #[cfg(unix)]
 mod harness;
 #[cfg(unix)]
+pub mod nats;
+#[cfg(unix)]
 pub mod pgbouncer;
+#[cfg(unix)]
+mod process;
 #[cfg(unix)]
 pub mod tls;
 mod wait;
@@ -133,6 +138,31 @@ pub enum FixtureError {
         /// How long the fixture waited.
         waited: std::time::Duration,
         /// The last connection's or query's error.
+        last_error: String,
+        /// The end of its log.
+        log: String,
+    },
+    /// No `nats-server` program was found.
+    #[error(
+        "nats-server was not found on PATH or at {}; install it (Debian and Ubuntu: \
+         `apt-get install nats-server`; .ci/run does)",
+        nats::DEBIAN_NATS_SERVER
+    )]
+    NatsServerNotFound,
+    /// nats-server ended before it greeted a client.
+    #[error("nats-server exited at start ({status}); its log:\n{log}")]
+    NatsServerExited {
+        /// How it ended.
+        status: std::process::ExitStatus,
+        /// The end of its log.
+        log: String,
+    },
+    /// nats-server did not greet a client (with JetStream on) within the time allowed.
+    #[error("nats-server was not ready within {waited:?} ({last_error}); its log:\n{log}")]
+    NatsServerNotReady {
+        /// How long the fixture waited.
+        waited: std::time::Duration,
+        /// The last connection's error, or what the server sent.
         last_error: String,
         /// The end of its log.
         log: String,

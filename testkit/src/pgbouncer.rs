@@ -46,6 +46,7 @@ use tokio_postgres::config::Host;
 
 use crate::FixtureError;
 use crate::embedded::{self, RunAs};
+use crate::process::{self, io_error};
 
 /// Where Debian and Ubuntu's `pgbouncer` package installs the program.
 pub const DEBIAN_PGBOUNCER: &str = "/usr/sbin/pgbouncer";
@@ -59,23 +60,8 @@ pub const POOL_SIZE: u32 = 4;
 /// How long a start waits for PgBouncer to run a query.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// How long a stop waits for PgBouncer to exit after SIGTERM before it kills it.
-const STOP_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// How many free ports a start tries, should another process take the one chosen.
 const START_ATTEMPTS: usize = 3;
-
-/// How many lines of PgBouncer's log an error reports.
-const LOG_TAIL_LINES: usize = 30;
-
-/// Stops PgBouncer (`$1`, only if that process still is PgBouncer) and removes its
-/// directory (`$2`) when the process that started it ends, however it ends: it waits for
-/// the end of its standard input, whose other end only that process holds.
-const GUARDIAN_SCRIPT: &str = r#"read -r _
-if [ -r "/proc/$1/comm" ]; then name=$(cat "/proc/$1/comm"); else name=$(ps -o comm= -p "$1"); fi
-case "$name" in *pgbouncer*) kill -TERM "$1" ;; esac
-rm -rf "$2"
-"#;
 
 /// A running PgBouncer; see the [module](self) documentation.
 #[derive(Debug)]
@@ -114,14 +100,7 @@ pub async fn shared() -> &'static PgBouncer {
 ///
 /// [`FixtureError::PgBouncerNotFound`], which says how to install it.
 pub fn find_pgbouncer() -> Result<PathBuf, FixtureError> {
-    let on_path = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|dir| dir.join("pgbouncer"))
-            .find(|candidate| candidate.is_file())
-    });
-    on_path
-        .or_else(|| Some(PathBuf::from(DEBIAN_PGBOUNCER)).filter(|p| p.is_file()))
-        .ok_or(FixtureError::PgBouncerNotFound)
+    process::find_program("pgbouncer", DEBIAN_PGBOUNCER).ok_or(FixtureError::PgBouncerNotFound)
 }
 
 /// `(major, minor)` of the program, from `pgbouncer --version` (`PgBouncer 1.18.0`).
@@ -221,11 +200,6 @@ fn ini(dir: &Path, port: u16, target: &Target, tracks_prepared: bool) -> String 
     ini
 }
 
-fn io_error(action: impl Into<String>) -> impl FnOnce(std::io::Error) -> FixtureError {
-    let action = action.into();
-    move |source| FixtureError::Io { action, source }
-}
-
 impl PgBouncer {
     /// Starts PgBouncer in front of the server `server` connects to (its first host and
     /// port, its user and password), and waits until a query through it succeeds.
@@ -309,22 +283,7 @@ impl PgBouncer {
     }
 
     fn spawn_guardian(&self) -> Result<(Child, ChildStdin), FixtureError> {
-        let mut guardian = Command::new("/bin/sh")
-            .arg("-c")
-            .arg(GUARDIAN_SCRIPT)
-            .arg("pgbus-pgbouncer-guardian")
-            .arg(self.child.id().to_string())
-            .arg(&self.dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            // Its own process group: a Ctrl-C at the terminal must not kill it before it
-            // has cleaned up.
-            .process_group(0)
-            .spawn()
-            .map_err(io_error("starting PgBouncer's guardian process (/bin/sh)"))?;
-        let stdin = guardian.stdin.take().expect("stdin is piped");
-        Ok((guardian, stdin))
+        process::spawn_guardian("pgbouncer", self.child.id(), &self.dir)
     }
 
     /// Connects and runs a query through the pooler (which connects to the server), until
@@ -364,9 +323,7 @@ impl PgBouncer {
 
     /// The end of PgBouncer's log.
     pub fn log_tail(&self) -> String {
-        let log = fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
+        process::log_tail(&self.dir.join("pgbouncer.log"))
     }
 
     /// The address PgBouncer listens on, [`HOST`].
@@ -410,27 +367,9 @@ impl PgBouncer {
 
 impl Drop for PgBouncer {
     fn drop(&mut self) {
-        if let Some((mut guardian, stdin)) = self.guardian.take() {
-            let _ = guardian.kill();
-            let _ = guardian.wait();
-            drop(stdin);
-        }
-        // SIGTERM: PgBouncer closes its connections and exits at once. Only while the
-        // child is not yet reaped: until then its pid cannot name another process.
-        if let (Ok(None), Some(pid)) = (
-            self.child.try_wait(),
-            i32::try_from(self.child.id())
-                .ok()
-                .and_then(rustix::process::Pid::from_raw),
-        ) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let deadline = Instant::now() + STOP_TIMEOUT;
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        process::dismiss(self.guardian.take());
+        // SIGTERM: PgBouncer closes its connections and exits at once.
+        process::stop(&mut self.child);
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
