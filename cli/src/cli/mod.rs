@@ -9,6 +9,7 @@ pub(crate) mod consume;
 pub(crate) mod demo;
 mod group;
 pub(crate) mod keys;
+pub(crate) mod metrics;
 pub(crate) mod publish;
 pub(crate) mod status;
 
