@@ -45,8 +45,10 @@ pub const LEASES_EXPIRED: &str = "pgbus_leases_expired_total";
 /// Histogram `{subscription, outcome}`: seconds from a handler's (or a stream consumer's)
 /// start to its decision, by that decision: `acked`, `failed`, `released`.
 pub const HANDLER_DURATION: &str = "pgbus_handler_duration_seconds";
-/// Histogram `{subscription}`: seconds from a delivery becoming due (its event's commit,
-/// or its retry's time) to its handler's start.
+/// Histogram `{subscription}`: seconds from a delivery becoming due to its handler's
+/// start. A new event is due from its publishing transaction's time (`now()` there, its
+/// start: the lag includes that transaction's own duration, as PostgreSQL keeps no commit
+/// time by default), a delayed one from its delivery time, a retry from its retry time.
 pub const DELIVERY_LAG: &str = "pgbus_delivery_lag_seconds";
 /// Histogram: seconds one claim statement took.
 pub const CLAIM_DURATION: &str = "pgbus_claim_duration_seconds";

@@ -27,8 +27,8 @@
 /// Always returns at least one row: `secs`, the seconds until the next delivery of these
 /// subscriptions becomes due (NULL if none is scheduled); `cut`, whether the budget left
 /// due deliveries behind (claim again at once); `waited`, the seconds the claimed
-/// delivery had been due (since its `available_at`: its event's commit, or its retry's
-/// time), for the lag metric; the others are the claimed delivery (NULL when nothing was
+/// delivery had been due (since its `available_at`: its publishing transaction's
+/// `now()`, its delivery time, or its retry's time), for the lag metric; the others are the claimed delivery (NULL when nothing was
 /// claimed).
 ///
 /// A delivery whose `available_at` is `infinity` (written by SQL) is never due, and is not

@@ -102,6 +102,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Metrics(args) => cli::metrics::run(args, url).await,
         Command::Demo(args) => cli::demo::run(args, url).await,
         Command::Bench(args) => {
+            if let Some(addr) = args.metrics_addr {
+                cli::metrics::serve(addr)?;
+            }
             bench::run(args, cli.database_url.as_deref()).await?;
             Ok(())
         }
