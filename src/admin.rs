@@ -518,6 +518,29 @@ pub async fn status_of<C: Executor + ?Sized>(
     })
 }
 
+/// Samples the backlog gauges of `subscriptions` (`None`: every registered
+/// subscription), one [`Backlog`](crate::metrics::Backlog) per subscription, by name:
+/// one index-backed statement whose counts stop at
+/// [`GAUGE_COUNT_CAP`](crate::metrics::GAUGE_COUNT_CAP), so it stays cheap at any
+/// backlog (unlike [`status`]). [`Backlog::record`](crate::metrics::Backlog::record)
+/// sets the gauges; a running bus samples its own subscriptions by itself.
+///
+/// # Errors
+///
+/// [`Error::Database`] when the statement fails.
+pub async fn backlog<C: Executor + ?Sized>(
+    client: &C,
+    subscriptions: Option<&[&str]>,
+) -> Result<Vec<crate::metrics::Backlog>> {
+    let cap = crate::metrics::GAUGE_COUNT_CAP;
+    let params: [Param<'_>; 2] = [
+        (&subscriptions, sql::BACKLOG_TYPES[0].clone()),
+        (&cap, sql::BACKLOG_TYPES[1].clone()),
+    ];
+    let rows = client.client().query_typed(sql::BACKLOG, &params).await?;
+    rows.iter().map(crate::metrics::Backlog::from_row).collect()
+}
+
 /// The state of one subscription (see [`status`]).
 ///
 /// # Errors

@@ -75,6 +75,7 @@ pub(crate) struct Options {
     pub(crate) retry: RetryPolicy,
     pub(crate) synchronous_commit: bool,
     pub(crate) retention: Option<Duration>,
+    pub(crate) gauge_interval: Option<Duration>,
     /// Whether `retry` was set on the builder (its maximum attempts then count as asked).
     pub(crate) retry_set: bool,
     pub(crate) reconfigure: bool,
@@ -168,6 +169,7 @@ impl Bus {
                 retry: RetryPolicy::default(),
                 synchronous_commit: DEFAULT_SYNCHRONOUS_COMMIT,
                 retention: Some(DEFAULT_RETENTION),
+                gauge_interval: Some(crate::metrics::DEFAULT_GAUGE_INTERVAL),
                 retry_set: false,
                 reconfigure: false,
                 claim_bytes: DEFAULT_CLAIM_BYTES,
@@ -360,6 +362,7 @@ impl Parts {
                 poll_interval: opts.poll_interval,
                 lease: opts.lease,
                 retention: opts.retention,
+                gauges: opts.gauge_interval,
             },
             dropped: self.dropped.clone(),
             lease_warn: WarnGate::default(),
@@ -705,6 +708,16 @@ impl BusBuilder {
     /// `None` or zero: this bus never sweeps.
     pub fn retention(mut self, retention: Option<Duration>) -> Self {
         self.opts.retention = retention.filter(|r| !r.is_zero());
+        self
+    }
+
+    /// Sets how often the bus samples its subscriptions' backlog gauges (default
+    /// [`DEFAULT_GAUGE_INTERVAL`](crate::metrics::DEFAULT_GAUGE_INTERVAL), 15 s; the first
+    /// sample is taken at start): one index-backed statement, its counts capped (see
+    /// [`crate::metrics`]). `None` or zero: never (no recorder is installed, or another
+    /// process samples them, e.g. `pgbus metrics`).
+    pub fn gauge_interval(mut self, interval: Option<Duration>) -> Self {
+        self.opts.gauge_interval = interval.filter(|i| !i.is_zero());
         self
     }
 

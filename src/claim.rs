@@ -24,6 +24,7 @@ use crate::decode;
 use crate::delivery::Delivery;
 use crate::error::Result;
 use crate::listen::Wake;
+use crate::metrics::{self, Wakeup};
 use crate::settle::{Action, Settler};
 use crate::shutdown::Shutdown;
 use crate::slot::{Slots, Sub};
@@ -162,6 +163,7 @@ impl Claimer {
                     _ = self.slots.freed() => continue,
                 }
             };
+            let started = Instant::now();
             let claimed = match self.claim(&ask).await {
                 Ok(claimed) => claimed,
                 Err(e) => {
@@ -172,7 +174,7 @@ impl Claimer {
                     }
                 }
             };
-            let round = self.record(state, &ask, &claimed);
+            let round = self.record(state, &ask, &claimed, started.elapsed());
             state.round = Some(round);
             if !claimed.deliveries.is_empty() {
                 return Some(claimed.deliveries);
@@ -203,7 +205,7 @@ impl Claimer {
     }
 
     /// Counts a claim that succeeded and says what it means for the next wait.
-    fn record(&self, state: &mut State, ask: &Ask, claimed: &Claimed) -> Round {
+    fn record(&self, state: &mut State, ask: &Ask, claimed: &Claimed, took: Duration) -> Round {
         if state.errors > 0 {
             if state.warned {
                 tracing::info!(after_errors = state.errors, "pgbus claims succeed again");
@@ -214,6 +216,7 @@ impl Claimer {
         }
         let n = claimed.deliveries.len();
         stats::add(&self.stats.claims, 1);
+        metrics::claimed(took, n);
         if n > 0 {
             state.last_work = Instant::now();
             if state.by_poll {
@@ -260,9 +263,11 @@ impl Claimer {
         }
         let poll = self.pacing.poll_interval;
         let mut wait = round.next_due.map_or(poll, |due| due.min(poll));
+        let mut lingering = false;
         if state.awake && !self.pacing.poll_only {
             if state.last_work.elapsed() < LINGER {
                 wait = wait.min(COOLDOWN);
+                lingering = true;
             } else {
                 match self.fall_asleep(state).await {
                     None => return true, // asleep: claim once more at once
@@ -277,14 +282,16 @@ impl Claimer {
             _ = self.shutdown.stopping() => false,
             by_notification = self.wake.woken() => {
                 if by_notification {
-                    stats::add(&self.stats.wakeups_by_notification, 1);
+                    self.stats.woke(Wakeup::Notify);
                 }
                 true
             }
             _ = tokio::time::sleep(wait) => {
                 if wait == poll {
-                    stats::add(&self.stats.wakeups_by_poll, 1);
+                    self.stats.woke(Wakeup::Poll);
                     state.by_poll = true;
+                } else if lingering {
+                    self.stats.woke(Wakeup::Linger);
                 }
                 true
             }
@@ -430,7 +437,8 @@ impl Claimer {
         match decode::event(row, seq) {
             Ok((event, bytes)) => {
                 let slot = self.slots.take(sub, seq, attempt, bytes);
-                let delivery = Delivery::new(event, slot, self.settler.clone());
+                let delivery = Delivery::new(event, slot, self.settler.clone())
+                    .waited(row.try_get("waited").ok().flatten());
                 Some((sub.name.clone(), Some(delivery)))
             }
             Err(e) => {

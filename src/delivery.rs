@@ -7,6 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{self, Poll};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use futures::Stream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -42,6 +44,12 @@ pub struct Delivery {
     slot: Option<Slot>,
     settler: Settler,
     state: State,
+    /// When it was claimed, and how long it had been due then (seconds, PostgreSQL's
+    /// clock): the start of [`DELIVERY_LAG`](crate::metrics::DELIVERY_LAG).
+    claimed: Instant,
+    waited: Option<f64>,
+    /// When it was handed to its handler or stream consumer.
+    started: Option<Instant>,
 }
 
 impl std::fmt::Debug for Delivery {
@@ -64,7 +72,17 @@ impl Delivery {
             slot: Some(slot),
             settler,
             state: State::Claimed,
+            claimed: Instant::now(),
+            waited: None,
+            started: None,
         }
+    }
+
+    /// Notes how long the delivery had been due when it was claimed (the claim's
+    /// `waited`), for the lag metric.
+    pub(crate) fn waited(mut self, seconds: Option<f64>) -> Self {
+        self.waited = seconds;
+        self
     }
 
     /// The event.
@@ -85,6 +103,19 @@ impl Delivery {
     pub(crate) fn mark_started(&mut self) {
         if self.state == State::Claimed {
             self.state = State::Started;
+            self.started = Some(Instant::now());
+            if let Some(waited) = self.waited {
+                let lag = waited + self.claimed.elapsed().as_secs_f64();
+                crate::metrics::started(&self.sub.name, lag);
+            }
+        }
+    }
+
+    /// Records the run's duration, once, if it was started: `outcome` is what the
+    /// handler (or the stream's consumer) decided.
+    fn ran(&mut self, outcome: &'static str) {
+        if let Some(started) = self.started.take() {
+            crate::metrics::handled(&self.sub.name, outcome, started.elapsed());
         }
     }
 
@@ -156,6 +187,7 @@ impl Delivery {
             Ok(()) | Err(Error::LeaseLost) => {
                 // Settled: by `tx`, or by whoever holds the lease now. Dropping the slot
                 // frees the capacity and stops the lease's extension.
+                self.ran("acked");
                 self.state = State::Settled;
                 self.slot = None;
             }
@@ -199,6 +231,7 @@ impl Delivery {
     /// is retried; if it committed, the failure is rejected as stale.
     pub(crate) fn finish(mut self, action: Action, acked_in: bool) {
         if acked_in && matches!(action, Action::Ack) {
+            self.ran("acked");
             self.state = State::Settled;
             self.slot = None;
         } else {
@@ -294,6 +327,11 @@ impl Delivery {
     }
 
     fn send(&mut self, action: Action, reply: Option<oneshot::Sender<Outcome>>) {
+        self.ran(match action {
+            Action::Ack => "acked",
+            Action::Fail { .. } => "failed",
+            Action::Release => "released",
+        });
         self.state = State::Settled;
         if let Some(slot) = self.slot.take() {
             self.settler.send(slot, action, reply);

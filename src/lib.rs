@@ -48,6 +48,7 @@ mod event;
 mod handler;
 mod listen;
 mod maintain;
+pub mod metrics;
 pub mod ordering;
 mod publish;
 mod retry;

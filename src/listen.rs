@@ -17,6 +17,7 @@ use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::{self, WarnGate};
+use crate::metrics::Wakeup;
 use crate::stats::{self, Counters};
 
 /// The channel pgbus notifies on.
@@ -149,6 +150,7 @@ impl Listener {
             tracing::debug!("pgbus listener connected");
         }
         self.listening.store(true, Ordering::Release);
+        self.stats.woke(Wakeup::CatchUp);
         self.wake.now();
     }
 

@@ -1,7 +1,7 @@
 //! Maintenance: the duties a running bus does on timers besides claiming. It returns
 //! expired leases (of any bus), extends the leases of what it holds, renews its row in
-//! `pgbus.consumers`, repairs ordering keys left without a head, and sweeps the log past
-//! its retention.
+//! `pgbus.consumers`, repairs ordering keys left without a head, sweeps the log past
+//! its retention, and samples its subscriptions' backlog gauges.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -91,6 +91,8 @@ pub(crate) struct Schedule {
     pub(crate) poll_interval: Duration,
     pub(crate) lease: Duration,
     pub(crate) retention: Option<Duration>,
+    /// How often the backlog gauges are sampled; `None`: never.
+    pub(crate) gauges: Option<Duration>,
 }
 
 /// The maintenance task.
@@ -125,6 +127,7 @@ impl Maintainer {
         let mut extend = every(self.schedule.lease / 3);
         let mut heartbeat = every(CONSUMER_HEARTBEAT);
         let mut repair = every(REPAIR_INTERVAL);
+        let mut gauges = every(self.schedule.gauges.unwrap_or(REPAIR_INTERVAL));
         extend.tick().await;
         heartbeat.tick().await;
         loop {
@@ -138,6 +141,8 @@ impl Maintainer {
                 _ = extend.tick() => self.extend(&stop).await,
                 _ = heartbeat.tick() => self.heartbeat(&stop).await,
                 _ = repair.tick(), if !self.shutdown.is_stopping() => self.repair().await,
+                _ = gauges.tick(), if self.schedule.gauges.is_some()
+                    && !self.shutdown.is_stopping() => self.sample_gauges().await,
             }
         }
     }
@@ -176,7 +181,7 @@ impl Maintainer {
         match reaped.await {
             Ok(Some((pending, dead))) => {
                 if pending + dead > 0 {
-                    stats::add(&self.stats.reaped, (pending + dead) as u64);
+                    self.stats.leases_expired((pending + dead) as u64);
                     tracing::info!(returned = pending, dead, "pgbus reaped expired leases");
                 }
                 if pending > 0 {
@@ -292,6 +297,36 @@ impl Maintainer {
             }
             Ok(_) => {}
             Err(e) => tracing::debug!(error = %e, "pgbus ordering repair failed"),
+        }
+    }
+
+    /// Samples the backlog gauges of this bus's subscriptions ([`sql::BACKLOG`]) and sets
+    /// them on the installed recorder.
+    async fn sample_gauges(&self) {
+        let sampled = async {
+            let client = self.client().await?;
+            let subs: Vec<&str> = self.consumer.subscriptions.iter().map(|s| &**s).collect();
+            let cap = crate::metrics::GAUGE_COUNT_CAP;
+            let params: [&(dyn ToSql + Sync); 2] = [&subs, &cap];
+            let work = self
+                .db()
+                .query(&client, sql::BACKLOG, &sql::BACKLOG_TYPES, &params);
+            self.db()
+                .unless_stopped(&client, self.shutdown.token(), work)
+                .await
+                .transpose()
+        };
+        match sampled.await {
+            Ok(Some(rows)) => {
+                for row in &rows {
+                    match crate::metrics::Backlog::from_row(row) {
+                        Ok(backlog) => backlog.record(),
+                        Err(e) => tracing::debug!(error = %e, "pgbus cannot read a gauge sample"),
+                    }
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "pgbus could not sample the backlog gauges"),
         }
     }
 

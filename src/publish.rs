@@ -331,7 +331,10 @@ async fn send<C: Executor + ?Sized>(
 pub(crate) fn published(inserted: i64, conflict: Option<String>) -> Result<Published> {
     match (inserted, conflict) {
         (_, Some(id)) => Err(Error::Conflict { id }),
-        (1, None) => Ok(Published::Inserted),
+        (1, None) => {
+            crate::metrics::published(1);
+            Ok(Published::Inserted)
+        }
         _ => Ok(Published::Duplicate),
     }
 }
@@ -340,7 +343,10 @@ pub(crate) fn published(inserted: i64, conflict: Option<String>) -> Result<Publi
 pub(crate) fn batch_published(inserted: i64, conflict: Option<String>) -> Result<u64> {
     match conflict {
         Some(id) => Err(Error::Conflict { id }),
-        None => Ok(inserted as u64),
+        None => {
+            crate::metrics::published(inserted as u64);
+            Ok(inserted as u64)
+        }
     }
 }
 

@@ -73,6 +73,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "ack_in",
         sql: include_str!("../sql/0009_ack_in.sql"),
     },
+    Migration {
+        version: 10,
+        name: "backlog",
+        sql: include_str!("../sql/0010_backlog.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

@@ -13,6 +13,7 @@ use tracing::Instrument;
 use crate::backoff::{self, WarnGate};
 use crate::error::{Error, Result};
 use crate::listen::Wake;
+use crate::metrics::DeliveryOutcome;
 use crate::slot::{Key, Slot};
 use crate::sql;
 use crate::stats::{self, Counters};
@@ -141,11 +142,13 @@ impl Settler {
         ];
         match tx.query_typed(sql::ACK_IN, &params).await {
             Ok(_) => {
-                stats::add(&self.stats.delivered, 1);
+                self.stats
+                    .settled(&Arc::from(subscription), DeliveryOutcome::Acked);
                 Ok(())
             }
             Err(e) if e.code().is_some_and(|c| c.code() == sql::LEASE_LOST) => {
-                stats::add(&self.stats.stale_rejected, 1);
+                self.stats
+                    .settled(&Arc::from(subscription), DeliveryOutcome::Stale);
                 tracing::info!(
                     messaging.destination.subscription.name = %subscription,
                     pgbus.event_seq = seq,
@@ -315,22 +318,22 @@ impl Acker {
             let key = m.key();
             let ok = !settled.rejected.contains(&(m.action.kind(), key.clone()));
             if !ok {
-                stats::add(&self.stats.stale_rejected, 1);
+                self.stats.settled(&key.0, DeliveryOutcome::Stale);
                 log_stale(&m);
             } else if let Action::Fail { error, .. } = &m.action {
-                stats::add(&self.stats.failed, 1);
                 if settled.dead.contains(&key) {
-                    stats::add(&self.stats.dead_lettered, 1);
+                    self.stats.settled(&key.0, DeliveryOutcome::Dead);
                     log_dead(&m, error);
                 } else {
+                    self.stats.settled(&key.0, DeliveryOutcome::Failed);
                     retry_scheduled = true;
                 }
             } else {
-                let counter = match m.action {
-                    Action::Ack => &self.stats.delivered,
-                    _ => &self.stats.released,
+                let how = match m.action {
+                    Action::Ack => DeliveryOutcome::Acked,
+                    _ => DeliveryOutcome::Released,
                 };
-                stats::add(counter, 1);
+                self.stats.settled(&key.0, how);
             }
             m.answer(if ok {
                 Outcome::Applied

@@ -26,8 +26,10 @@
 ///
 /// Always returns at least one row: `secs`, the seconds until the next delivery of these
 /// subscriptions becomes due (NULL if none is scheduled); `cut`, whether the budget left
-/// due deliveries behind (claim again at once); the others are the claimed delivery
-/// (NULL when nothing was claimed).
+/// due deliveries behind (claim again at once); `waited`, the seconds the claimed
+/// delivery had been due (since its `available_at`: its publishing transaction's
+/// `now()`, its delivery time, or its retry's time), for the lag metric; the others are the claimed delivery (NULL when nothing was
+/// claimed).
 ///
 /// A delivery whose `available_at` is `infinity` (written by SQL) is never due, and is not
 /// a next due time either: `infinity - now()` is an error before PostgreSQL 17, which would
@@ -70,7 +72,7 @@ claimed AS (
       locked_by = $5
   FROM kept
   WHERE d.subscription = kept.subscription AND d.event_seq = kept.event_seq
-  RETURNING d.subscription, d.event_seq, d.attempts
+  RETURNING d.subscription, d.event_seq, d.attempts, d.available_at
 ),
 awake AS (
   UPDATE pgbus.consumers SET awake = true
@@ -91,6 +93,7 @@ SELECT next_due.secs, c.subscription, c.attempts,
        e.seq, e.id, e.event_name, e.event_version, e.source, e.aggregate_type,
        e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
        e.headers, e.created_at, e.ordering_key,
+       (extract(epoch FROM now()) - extract(epoch FROM c.available_at))::float8 AS waited,
        (SELECT count(*) FROM sized) > (SELECT count(*) FROM kept) AS cut
 FROM next_due
 LEFT JOIN (claimed AS c JOIN pgbus.events AS e ON e.seq = c.event_seq) ON true
@@ -192,6 +195,36 @@ pub const REAP: &str = "SELECT returned, dead FROM pgbus.reap($1)";
 /// repair. Returns one row per repair: `subscription`, `ordering_key`, `event_seq`.
 pub const REPAIR: &str =
     "SELECT subscription, ordering_key, event_seq FROM pgbus.promote_orphans($1)";
+
+/// The gauges' sample (`pgbus_backlog`, `pgbus_oldest_due_age_seconds`,
+/// `pgbus_blocked_keys`): one row per subscription, by name (`pgbus.backlog` in
+/// `sql/0010_backlog.sql`, a function only to run with `jit = off`).
+///
+/// Parameters: `$1 text[]` the subscriptions (NULL: every registered one), `$2 int8` the
+/// most deliveries counted per subscription and state (NULL: no limit).
+///
+/// Columns: `subscription`; `due` (pending, due now: the claimable heads and, in an
+/// ordered subscription, the deliveries waiting behind their key's head), `scheduled`
+/// (pending, due later), `processing`, `dead`; `oldest_due_age`, the seconds since the
+/// oldest claimable delivery became due (NULL when none is due); `blocked_keys`, keys
+/// whose head is a dead letter.
+///
+/// Index-backed, each count bounded by `$2`: the heads through `deliveries_claim_idx`
+/// (one range each side of `now()`, and its first entry for the oldest age), the
+/// deliveries behind a head through `deliveries_key_idx` (an unordered subscription has
+/// none: an empty range), dead letters and blocked keys through `deliveries_dead_idx`,
+/// and the leased ones through `deliveries_reap_idx` (all of them, grouped: they are as
+/// many as the consumers hold). So a sample costs at most a few times `$2` index entries
+/// per subscription, whatever the backlog (BENCHMARKS.md, "The gauges' statement").
+pub const BACKLOG: &str = "\
+SELECT subscription, due, scheduled, processing, dead, oldest_due_age, blocked_keys
+FROM pgbus.backlog($1::text[], $2::int8)";
+
+/// The parameter types of [`BACKLOG`].
+pub const BACKLOG_TYPES: [tokio_postgres::types::Type; 2] = [
+    tokio_postgres::types::Type::TEXT_ARRAY,
+    tokio_postgres::types::Type::INT8,
+];
 
 /// Registers this bus in `pgbus.consumers`, or renews its heartbeat (keeping its awake
 /// flag). Parameters: `$1 text` worker id, `$2 int8` time to live in milliseconds,
@@ -622,6 +655,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("CONSUMER_HEARTBEAT", CONSUMER_HEARTBEAT),
     ("CONSUMER_SLEEP", CONSUMER_SLEEP),
     ("CONSUMER_REMOVE", CONSUMER_REMOVE),
+    ("BACKLOG", BACKLOG),
     ("STATUS_SUBSCRIPTIONS", STATUS_SUBSCRIPTIONS),
     ("STATUS_CLUSTER", STATUS_CLUSTER),
     ("SUBSCRIPTION_EXISTS", SUBSCRIPTION_EXISTS),

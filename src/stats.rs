@@ -1,6 +1,11 @@
-//! The counters a running bus keeps, and the snapshot of them it reports.
+//! The counters a running bus keeps, and the snapshot of them it reports. Each fact is
+//! counted once, here: the methods of [`Counters`] also record it as a metric
+//! ([`crate::metrics`]).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::metrics::{self, DeliveryOutcome, Wakeup};
 
 /// Counters of a running bus, read with [`RunningBus::stats`](crate::RunningBus::stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -65,6 +70,37 @@ pub(crate) fn add(counter: &AtomicU64, n: u64) {
 }
 
 impl Counters {
+    /// Counts a settlement the database confirmed, for `sub`.
+    pub(crate) fn settled(&self, sub: &Arc<str>, how: DeliveryOutcome) {
+        match how {
+            DeliveryOutcome::Acked => add(&self.delivered, 1),
+            DeliveryOutcome::Failed => add(&self.failed, 1),
+            DeliveryOutcome::Dead => {
+                add(&self.failed, 1);
+                add(&self.dead_lettered, 1);
+            }
+            DeliveryOutcome::Released => add(&self.released, 1),
+            DeliveryOutcome::Stale => add(&self.stale_rejected, 1),
+        }
+        metrics::settled(sub, how);
+    }
+
+    /// Counts a wake-up of the claimer.
+    pub(crate) fn woke(&self, source: Wakeup) {
+        match source {
+            Wakeup::Notify => add(&self.wakeups_by_notification, 1),
+            Wakeup::Poll => add(&self.wakeups_by_poll, 1),
+            Wakeup::CatchUp | Wakeup::Linger => {}
+        }
+        metrics::woke(source);
+    }
+
+    /// Counts expired leases reaped.
+    pub(crate) fn leases_expired(&self, n: u64) {
+        add(&self.reaped, n);
+        metrics::leases_expired(n);
+    }
+
     pub(crate) fn snapshot(&self) -> Stats {
         let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Stats {

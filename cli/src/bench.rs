@@ -140,6 +140,11 @@ pub(crate) struct BenchArgs {
           value_parser = clap::builder::BoolishValueParser::new(), value_name = "on|off")]
     pub bus_synchronous_commit: bool,
 
+    /// Record the bus's metrics in a Prometheus exporter serving /metrics on this
+    /// address (e.g. 127.0.0.1:9187) during the run: the figures with metrics on.
+    #[arg(long, value_name = "IP:PORT", value_parser = crate::cli::metrics::parse_addr)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+
     /// memory: run as the consumer child process (internal).
     #[arg(long, hide = true)]
     pub child: bool,

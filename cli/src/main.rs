@@ -67,6 +67,8 @@ enum Command {
     Subscriptions(cli::admin::SubscriptionsCommand),
     /// Delete events past the retention that no delivery needs.
     Sweep(cli::admin::SweepArgs),
+    /// Serve every subscription's backlog gauges at /metrics (Prometheus text format).
+    Metrics(cli::metrics::MetricsArgs),
     /// Run producers and handlers on a throwaway PostgreSQL, with a live view.
     Demo(cli::demo::DemoArgs),
     /// Run a benchmark workload and print its figures.
@@ -100,8 +102,12 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Replay(args) => cli::admin::replay(args, url).await,
         Command::Subscriptions(command) => cli::admin::subscriptions(command, url).await,
         Command::Sweep(args) => cli::admin::sweep(args, url).await,
+        Command::Metrics(args) => cli::metrics::run(args, url).await,
         Command::Demo(args) => cli::demo::run(args, url).await,
         Command::Bench(args) => {
+            if let Some(addr) = args.metrics_addr {
+                cli::metrics::serve(addr)?;
+            }
             bench::run(args, cli.database_url.as_deref()).await?;
             Ok(())
         }

@@ -93,6 +93,7 @@ async fn unknown_arguments_are_refused_with_exit_2_and_every_command_has_example
         &["keys", "redrive"],
         &["keys", "skip"],
         &["sweep"],
+        &["metrics"],
         &["demo"],
     ] {
         let mut args = args.to_vec();

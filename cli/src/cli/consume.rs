@@ -42,6 +42,7 @@ Examples:
   pgbus consume --subscription audit --pattern 'order.*'
   pgbus consume -s mailer -p order.placed -p order.cancelled --exec './send-mail.sh'
   pgbus consume -s search -p '*' --exec 'curl -sf -d @- http://search/index' --concurrency 8
+  pgbus consume -s audit -p 'order.*' --metrics-addr 127.0.0.1:9187
 
 Without --exec, each delivery is printed as one JSON line on standard output and acked
 once the line is written and flushed:
@@ -146,6 +147,11 @@ pub(crate) struct ConsumeArgs {
     /// the stored ones make consume refuse to start.
     #[arg(long)]
     reconfigure: bool,
+    /// Serve Prometheus metrics at http://IP:PORT/metrics (e.g. 127.0.0.1:9187): the
+    /// delivery counters and histograms, and the subscription's backlog gauges, sampled
+    /// every 15s (see `pgbus metrics --help`).
+    #[arg(long, value_name = "IP:PORT", value_parser = super::metrics::parse_addr)]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// `--on-dead`.
@@ -238,6 +244,10 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         .shutdown_timeout(args.shutdown_timeout + args.kill_grace + SETTLE_MARGIN)
         .reconfigure(args.reconfigure)
         .retry(retry);
+    // Without an exporter the gauges would be sampled for nobody.
+    if args.metrics_addr.is_none() {
+        builder = builder.gauge_interval(None);
+    }
     if let Some(listen_url) = &args.listen_url {
         let listen = super::database_config(Some(listen_url))
             .map_err(|f| usage(f.message.replace("DATABASE_URL", "--listen-url")))?;
@@ -263,6 +273,9 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
             timeout: args.output_timeout.unwrap_or(args.lease),
         },
     };
+    if let Some(addr) = args.metrics_addr {
+        super::metrics::serve(addr)?;
+    }
     let running = bus.start().await?;
     let ctx = Arc::new(Ctx {
         sink,

@@ -11,6 +11,7 @@ pub(crate) mod forward;
 mod group;
 pub(crate) mod jetstream;
 pub(crate) mod keys;
+pub(crate) mod metrics;
 pub(crate) mod publish;
 pub(crate) mod status;
 
