@@ -381,7 +381,7 @@ impl Claimer {
         ];
         let work = self
             .db
-            .query(&client, sql::CLAIM, &sql::CLAIM_TYPES, &params);
+            .query(&client, sql::CLAIM_CALL, &sql::CLAIM_TYPES, &params);
         // Cancelled only once the stop is overdue: a claim that completes while the bus
         // stops hands its deliveries over to be released.
         let rows = self

@@ -3,14 +3,16 @@
 //! [`publish`] and [`publish_batch`] join whatever transaction the given client is in and
 //! never begin or commit one: the events become visible, and their deliveries claimable,
 //! exactly when the caller's business transaction commits, and vanish with it when it
-//! rolls back. Each call is one round trip: a single statement, sent as an unnamed
-//! prepared statement with its parameter types, so it works behind transaction-mode
-//! poolers too.
+//! rolls back. Each call is one round trip: a call of the SQL function
+//! `pgbus.publish_batch` ([`PUBLISH_BATCH`]), sent as an unnamed prepared statement with
+//! its parameter types, so it works behind transaction-mode poolers too; the function's
+//! own statement is planned once per connection (PL/pgSQL caches its plan), where the
+//! whole statement sent unnamed was planned on every call. One event is a batch of one.
 //!
 //! With the `sqlx` feature, `pgbus::sqlx` publishes through sqlx's executors with the
-//! same checks, statements and answers: [`Publisher::row`] and [`Publisher::columns`]
-//! make the parameters, [`one_sql`] and [`batch_sql`] are the statements, [`published`]
-//! and [`batch_published`] read the answer; only the sending differs.
+//! same checks, statement and answers: [`Publisher::one`] and [`Publisher::columns`]
+//! make the parameters, [`published`] and [`batch_published`] read the answer; only the
+//! sending differs.
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
@@ -19,7 +21,7 @@ use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::event::{DEFAULT_MAX_PAYLOAD_BYTES, Encoded, Event};
-use crate::sql::{PUBLISH_COLUMNS, PUBLISH_HEAD, PUBLISH_TAIL, PUBLISH_TYPES};
+use crate::sql::PUBLISH_BATCH;
 use crate::trace_context::{Outgoing, TRACEPARENT, TRACESTATE};
 
 /// A connection or transaction that pgbus can publish through.
@@ -123,28 +125,8 @@ const BATCH_TYPES: [Type; 14] = [
     Type::TEXT_ARRAY,
 ];
 
-/// The statement that publishes one event: its 14 parameters are a [`Row`]'s fields.
-pub(crate) fn one_sql() -> &'static str {
-    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SQL.get_or_init(|| {
-        format!(
-            "{PUBLISH_HEAD}(VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)) AS {PUBLISH_COLUMNS}{PUBLISH_TAIL}"
-        )
-    })
-}
-
-/// The statement that publishes a batch: its 14 parameters are a [`Columns`]' arrays.
-pub(crate) fn batch_sql() -> &'static str {
-    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SQL.get_or_init(|| {
-        format!(
-            "{PUBLISH_HEAD}unnest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) AS {PUBLISH_COLUMNS}{PUBLISH_TAIL}"
-        )
-    })
-}
-
-/// The 14 parameters of a [`Row`] or [`Columns`], in the order of
-/// [`PUBLISH_COLUMNS`], each with the type given in `$types`.
+/// The 14 parameters of a [`Columns`], in the order of [`PUBLISH_BATCH`]'s arrays, each
+/// with the type given in `$types`.
 macro_rules! typed_params {
     ($s:expr, $types:expr) => {
         [
@@ -192,9 +174,9 @@ impl Publisher {
         event: &Event,
     ) -> Result<Published> {
         let span = publish_span(event);
-        let row = self.row(event, &span)?;
-        let params = typed_params!(row, PUBLISH_TYPES);
-        let (inserted, conflict) = send(client, one_sql(), &params, span).await?;
+        let columns = self.one(event, &span)?;
+        let params = typed_params!(columns, BATCH_TYPES);
+        let (inserted, conflict) = send(client, PUBLISH_BATCH, &params, span).await?;
         published(inserted, conflict)
     }
 
@@ -214,32 +196,18 @@ impl Publisher {
             return Ok(0);
         };
         let params = typed_params!(columns, BATCH_TYPES);
-        let (inserted, conflict) = send(client, batch_sql(), &params, span).await?;
+        let (inserted, conflict) = send(client, PUBLISH_BATCH, &params, span).await?;
         batch_published(inserted, conflict)
     }
 
-    /// One event checked and encoded as the single-event statement's parameters, with
-    /// the trace context of `span` in its headers (see [`Outgoing`]). Every check runs
-    /// here, before anything is sent.
-    pub(crate) fn row<'a>(&self, event: &'a Event, span: &tracing::Span) -> Result<Row<'a>> {
+    /// One event checked and encoded as a batch of one, with the trace context of `span`
+    /// in its headers (see [`Outgoing`]). Every check runs here, before anything is sent.
+    pub(crate) fn one<'a>(&self, event: &'a Event, span: &tracing::Span) -> Result<Columns<'a>> {
         let mut enc = event.encode(self.max_payload_bytes)?;
         Outgoing::of(span).write(&event.headers, &mut enc.headers);
-        Ok(Row {
-            id: &event.id,
-            name: &event.name,
-            version: event.version,
-            source: event.source.as_deref(),
-            aggregate_type: event.aggregate_type.as_deref(),
-            aggregate_id: event.aggregate_id.as_deref(),
-            correlation_id: event.correlation_id.as_deref(),
-            causation_id: event.causation_id.as_deref(),
-            occurred_at: event.occurred_at,
-            payload: enc.payload,
-            headers: enc.headers,
-            deliver_at: event.deliver_at,
-            delay_ms: enc.delay_ms,
-            ordering_key: event.ordering_key.as_deref(),
-        })
+        let mut columns = Columns::with_capacity(1);
+        columns.push(event, enc);
+        Ok(columns)
     }
 
     /// A batch checked and encoded as the batch statement's arrays, identical repeats of
@@ -327,7 +295,7 @@ async fn send<C: Executor + ?Sized>(
     Ok((row.try_get("inserted")?, row.try_get("conflict")?))
 }
 
-/// What the single-event statement's row (`inserted`, `conflict`) means.
+/// What the statement's row (`inserted`, `conflict`) means for a single event.
 pub(crate) fn published(inserted: i64, conflict: Option<String>) -> Result<Published> {
     match (inserted, conflict) {
         (_, Some(id)) => Err(Error::Conflict { id }),
@@ -350,27 +318,8 @@ pub(crate) fn batch_published(inserted: i64, conflict: Option<String>) -> Result
     }
 }
 
-/// One event as the single-event statement's parameters, in the order of
-/// [`PUBLISH_COLUMNS`] (the same field names as [`Columns`]).
-pub(crate) struct Row<'a> {
-    pub(crate) id: &'a str,
-    pub(crate) name: &'a str,
-    pub(crate) version: i32,
-    pub(crate) source: Option<&'a str>,
-    pub(crate) aggregate_type: Option<&'a str>,
-    pub(crate) aggregate_id: Option<&'a str>,
-    pub(crate) correlation_id: Option<&'a str>,
-    pub(crate) causation_id: Option<&'a str>,
-    pub(crate) occurred_at: Option<DateTime<Utc>>,
-    pub(crate) payload: String,
-    pub(crate) headers: String,
-    pub(crate) deliver_at: Option<DateTime<Utc>>,
-    pub(crate) delay_ms: Option<i64>,
-    pub(crate) ordering_key: Option<&'a str>,
-}
-
-/// A batch as the publish statement's arrays, one per column, in the order of
-/// [`PUBLISH_COLUMNS`].
+/// Events as the publish statement's arrays, one per column, in the order of
+/// [`PUBLISH_BATCH`]'s parameters.
 pub(crate) struct Columns<'a> {
     pub(crate) id: Vec<&'a str>,
     pub(crate) name: Vec<&'a str>,

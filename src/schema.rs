@@ -78,6 +78,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "backlog",
         sql: include_str!("../sql/0010_backlog.sql"),
     },
+    Migration {
+        version: 11,
+        name: "publish_path",
+        sql: include_str!("../sql/0011_publish_path.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

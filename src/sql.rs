@@ -1,7 +1,6 @@
 //! Every statement the bus runs, named and documented in one place.
 //!
-//! Publishing's statement is assembled in [`publish`](crate::publish()) from
-//! [`PUBLISH_HEAD`] and [`PUBLISH_TAIL`]; the schema is in `sql/`.
+//! The schema is in `sql/`.
 //! The bus prepares these once per pooled connection (one round trip per use after
 //! that). [`ALL`] lists them so that a test can prepare each against a migrated database.
 
@@ -31,6 +30,13 @@
 /// `now()`, its delivery time, or its retry's time), for the lag metric; the others are the claimed delivery (NULL when nothing was
 /// claimed).
 ///
+/// The lease is written by the rows' `ctid`s, which the row locks keep stable until the
+/// statement ends: a TID scan, whatever the planner estimates. The bus runs this statement
+/// inside `pgbus.claim` ([`CLAIM_CALL`]), whose plan is generic, built once per
+/// connection: planned for given values, PostgreSQL re-planned it on every claim while
+/// deliveries were pending, and a generic plan must not be able to join the lease's
+/// update through a scan of the table.
+///
 /// A delivery whose `available_at` is `infinity` (written by SQL) is never due, and is not
 /// a next due time either: `infinity - now()` is an error before PostgreSQL 17, which would
 /// fail every claim of its subscription. One of `-infinity` is due at once, first.
@@ -39,9 +45,9 @@ WITH subs AS (
   SELECT * FROM unnest($1::text[], $2::int4[]) AS s(name, quota)
 ),
 picked AS (
-  SELECT p.subscription, p.event_seq, p.available_at
+  SELECT p.row_id, p.subscription, p.event_seq, p.available_at
   FROM subs CROSS JOIN LATERAL (
-    SELECT d.subscription, d.event_seq, d.available_at
+    SELECT d.ctid AS row_id, d.subscription, d.event_seq, d.available_at
     FROM pgbus.deliveries AS d
     WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
       AND d.available_at <= now()
@@ -53,7 +59,7 @@ picked AS (
   LIMIT $3
 ),
 sized AS (
-  SELECT p.subscription, p.event_seq,
+  SELECT p.row_id, p.subscription, p.event_seq,
          row_number() OVER w AS n,
          sum(coalesce((SELECT pg_column_size(e.payload)::int8 + pg_column_size(e.headers)
                        FROM pgbus.events AS e WHERE e.seq = p.event_seq), 0)) OVER w AS bytes
@@ -62,7 +68,7 @@ sized AS (
                ROWS UNBOUNDED PRECEDING)
 ),
 kept AS (
-  SELECT subscription, event_seq FROM sized WHERE n = 1 OR bytes <= $7::int8
+  SELECT row_id FROM sized WHERE n = 1 OR bytes <= $7::int8
 ),
 claimed AS (
   UPDATE pgbus.deliveries AS d
@@ -70,8 +76,7 @@ claimed AS (
       attempts = d.attempts + 1,
       locked_until = now() + $4 * interval '1 millisecond',
       locked_by = $5
-  FROM kept
-  WHERE d.subscription = kept.subscription AND d.event_seq = kept.event_seq
+  WHERE d.ctid = ANY (ARRAY(SELECT row_id FROM kept))
   RETURNING d.subscription, d.event_seq, d.attempts, d.available_at
 ),
 awake AS (
@@ -99,7 +104,13 @@ FROM next_due
 LEFT JOIN (claimed AS c JOIN pgbus.events AS e ON e.seq = c.event_seq) ON true
 ORDER BY e.seq";
 
-/// The parameter types of [`CLAIM`], for preparing it.
+/// What the bus sends to claim: [`CLAIM`] inside the function `pgbus.claim` (migration
+/// 11), whose body is that statement (a test checks they are the same) and which runs it
+/// with a generic plan (`plan_cache_mode = force_generic_plan`), cached for the session by
+/// PL/pgSQL: no planning per claim, pooler or not. Parameters and rows as [`CLAIM`]'s.
+pub const CLAIM_CALL: &str = "SELECT * FROM pgbus.claim($1, $2, $3, $4, $5, $6, $7)";
+
+/// The parameter types of [`CLAIM`] and [`CLAIM_CALL`], for preparing them.
 pub const CLAIM_TYPES: [tokio_postgres::types::Type; 7] = [
     tokio_postgres::types::Type::TEXT_ARRAY,
     tokio_postgres::types::Type::INT4_ARRAY,
@@ -561,65 +572,27 @@ FROM redriven";
 /// there was a dead head to skip.
 pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
 
-/// The start of publishing's statement ([`publish`](crate::publish()),
-/// [`publish_batch`](crate::publish_batch())): `PUBLISH_HEAD`, a source of rows (`VALUES`
-/// for one event, `unnest` of arrays for a batch), `AS` [`PUBLISH_COLUMNS`], then
-/// [`PUBLISH_TAIL`].
+/// Publishes events ([`publish`](crate::publish()), [`publish_batch`](crate::publish_batch()),
+/// and `pgbus::sqlx`'s): a call of `pgbus.publish_batch` (migration 11), whose statement
+/// PL/pgSQL plans once per connection, so that this call can be sent unnamed (pooler-safe)
+/// and still cost no planning of the statement itself.
 ///
-/// The content compared is the name, version, aggregate, payload and headers, less the
-/// trace context (`traceparent`, `tracestate`: they describe one attempt to publish, as
-/// a correlation id does), so a retry from another trace is a duplicate.
+/// Parameters: one array per column, all of the same length (one event is a batch of
+/// one): `$1 text[]` ids, `$2 text[]` names, `$3 int4[]` versions, `$4 text[]` sources,
+/// `$5 text[]` aggregate types, `$6 text[]` aggregate ids, `$7 text[]` correlation ids,
+/// `$8 text[]` causation ids, `$9 timestamptz[]` occurred at, `$10 text[]` payloads (JSON
+/// text), `$11 text[]` headers (JSON text), `$12 timestamptz[]` deliver at, `$13 int8[]`
+/// delays in milliseconds, `$14 text[]` ordering keys.
 ///
-/// `conflict` finds an id already in the log with different content; then nothing is
-/// inserted, so a conflict writes nothing. A conflicting row committed after this
-/// statement's snapshot is caught by ON CONFLICT, whose no-op update makes it visible in
-/// RETURNING; an identical one is left alone and returns nothing (a duplicate).
-pub const PUBLISH_HEAD: &str = "WITH t AS (SELECT * FROM ";
+/// Returns one row: `inserted`, how many events were inserted, and `conflict`, the id of
+/// an event already in the log with different content (NULL when none does; then nothing
+/// was inserted). An id already in the log with the same content (less the trace context)
+/// is a duplicate: skipped, not counted.
+pub const PUBLISH_BATCH: &str = "SELECT inserted, conflict \
+     FROM pgbus.publish_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
 
-/// The end of publishing's statement (see [`PUBLISH_HEAD`]). Returns one row: `inserted`,
-/// how many events were inserted, and `conflict`, the id of an event that conflicts
-/// (NULL when none does).
-pub const PUBLISH_TAIL: &str = "),
-conflict AS (
-  SELECT t.id FROM t JOIN pgbus.events AS e ON e.id = t.id
-  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload,
-         e.headers - '{traceparent,tracestate}'::text[])
-        IS DISTINCT FROM
-        (t.event_name, t.event_version, t.aggregate_type, t.aggregate_id,
-         t.payload::jsonb, t.headers::jsonb - '{traceparent,tracestate}'::text[])
-  LIMIT 1
-),
-written AS (
-  INSERT INTO pgbus.events AS e
-    (id, event_name, event_version, source, aggregate_type, aggregate_id, correlation_id,
-     causation_id, occurred_at, payload, headers, available_at, ordering_key)
-  SELECT t.id, t.event_name, t.event_version, t.source, t.aggregate_type, t.aggregate_id,
-         t.correlation_id, t.causation_id, coalesce(t.occurred_at, now()),
-         t.payload::jsonb, t.headers::jsonb,
-         coalesce(t.deliver_at, now() + t.delay_ms * interval '1 millisecond', now()),
-         t.ordering_key
-  FROM t
-  WHERE NOT EXISTS (SELECT 1 FROM conflict)
-  ON CONFLICT ON CONSTRAINT events_id_key DO UPDATE SET id = EXCLUDED.id
-  WHERE (e.event_name, e.event_version, e.aggregate_type, e.aggregate_id, e.payload,
-         e.headers - '{traceparent,tracestate}'::text[])
-        IS DISTINCT FROM
-        (EXCLUDED.event_name, EXCLUDED.event_version, EXCLUDED.aggregate_type,
-         EXCLUDED.aggregate_id, EXCLUDED.payload,
-         EXCLUDED.headers - '{traceparent,tracestate}'::text[])
-  RETURNING e.id, xmax = 0 AS inserted
-)
-SELECT (SELECT count(*) FROM written WHERE inserted) AS inserted,
-       coalesce((SELECT id FROM conflict), (SELECT id FROM written WHERE NOT inserted LIMIT 1))
-         AS conflict";
-
-/// The columns of publishing's source of rows, in parameter order (see [`PUBLISH_HEAD`]).
-pub const PUBLISH_COLUMNS: &str = "t(id, event_name, event_version, source, aggregate_type, aggregate_id, \
-     correlation_id, causation_id, occurred_at, payload, headers, deliver_at, delay_ms, \
-     ordering_key)";
-
-/// The parameter types of the single-event statement (`VALUES ($1, ... $14)`), in the
-/// order of [`PUBLISH_COLUMNS`].
+/// The types of one event's 14 values, in the order of [`PUBLISH_BATCH`]'s parameters
+/// (their element types).
 pub const PUBLISH_TYPES: [tokio_postgres::types::Type; 14] = [
     tokio_postgres::types::Type::TEXT,
     tokio_postgres::types::Type::TEXT,
@@ -667,4 +640,6 @@ pub const ALL: &[(&str, &str)] = &[
     ("SUBSCRIPTIONS_LIST", SUBSCRIPTIONS_LIST),
     ("SUBSCRIPTION_DROP", SUBSCRIPTION_DROP),
     ("SWEEP", SWEEP),
+    ("PUBLISH_BATCH", PUBLISH_BATCH),
+    ("CLAIM_CALL", CLAIM_CALL),
 ];

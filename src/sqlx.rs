@@ -52,17 +52,16 @@ use tracing::Instrument;
 use crate::error::Error;
 use crate::error::Result;
 use crate::event::Event;
-use crate::publish::{
-    Published, Publisher, batch_published, batch_span, batch_sql, one_sql, publish_span, published,
-};
+use crate::publish::{Published, Publisher, batch_published, batch_span, publish_span, published};
 use crate::schema::{
     LOCK, MIGRATE_LOCK_KEY, Migration, RECORD, RECORDED, SERVER, Session, SessionTx,
 };
+use crate::sql::PUBLISH_BATCH;
 
 pub use crate::error::SqlxError;
 
-/// Binds the 14 parameters of a [`Row`](crate::publish::Row) or a
-/// [`Columns`](crate::publish::Columns), in the order of the publish statement.
+/// Binds the 14 parameters of a [`Columns`](crate::publish::Columns), in the order of the
+/// publish statement.
 macro_rules! bind_params {
     ($query:expr, $s:expr) => {
         $query
@@ -130,8 +129,8 @@ pub async fn publish_with<'c, E: PgExecutor<'c>>(
     event: &Event,
 ) -> Result<Published> {
     let span = publish_span(event);
-    let row = publisher.row(event, &span)?;
-    let query = bind_params!(statement(one_sql()), row);
+    let columns = publisher.one(event, &span)?;
+    let query = bind_params!(statement(PUBLISH_BATCH), columns);
     let (inserted, conflict) = send(query, executor, span).await?;
     published(inserted, conflict)
 }
@@ -150,7 +149,7 @@ pub async fn publish_batch_with<'c, E: PgExecutor<'c>>(
     let Some(columns) = publisher.columns(events, &span)? else {
         return Ok(0);
     };
-    let query = bind_params!(statement(batch_sql()), columns);
+    let query = bind_params!(statement(PUBLISH_BATCH), columns);
     let (inserted, conflict) = send(query, executor, span).await?;
     batch_published(inserted, conflict)
 }

@@ -1045,6 +1045,79 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
             "{sub}: the claim scans every delivery: {nodes:?}"
         );
     }
+
+    // The bus runs the statement with a generic plan (pgbus.claim): one plan for any
+    // values, which must not reach a backlog either. "small"'s deliveries come after
+    // 200,000 of "big"'s in every index but the claim's.
+    client
+        .batch_execute(&format!(
+            "PREPARE claim(text[], int4[], int4, int8, text, int4, int8) AS {}; \
+             SET plan_cache_mode = force_generic_plan",
+            pgbus_testkit::sql::CLAIM
+        ))
+        .await
+        .unwrap();
+    for sub in ["big", "small"] {
+        let messages = client
+            .simple_query(&format!(
+                "EXPLAIN (FORMAT JSON) EXECUTE claim('{{{sub}}}', '{{100}}', 100, 60000, 'w', 4, {})",
+                i64::MAX
+            ))
+            .await
+            .unwrap();
+        let text = messages
+            .iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .expect("an EXPLAIN row");
+        let plan: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let mut nodes = Vec::new();
+        plan_nodes(&plan, &mut nodes);
+        let on_deliveries: Vec<_> = nodes
+            .iter()
+            .filter(|(kind, rel, _)| rel == "deliveries" && kind.ends_with("Scan"))
+            .collect();
+        assert!(
+            on_deliveries
+                .iter()
+                .all(|(kind, _, index)| kind == "Tid Scan" || index == "deliveries_claim_idx"),
+            "{sub}: the generic plan reaches deliveries other than by the claim index and \
+             the leased rows' ctids: {nodes:?}"
+        );
+        assert!(
+            on_deliveries.iter().any(|(kind, _, _)| kind == "Tid Scan"),
+            "{sub}: the lease is not written by ctid: {nodes:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_claim_function_runs_the_claim_statement() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let row = client
+        .query_one(
+            "SELECT prosrc, proconfig FROM pg_proc \
+             WHERE oid = 'pgbus.claim(text[], int4[], int4, int8, text, int4, int8)'::regprocedure",
+            &[],
+        )
+        .await
+        .unwrap();
+    let body: String = row.get(0);
+    let config: Vec<String> = row.get(1);
+    let squash = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        squash(&body).contains(&squash(pgbus_testkit::sql::CLAIM)),
+        "pgbus.claim's body is not the CLAIM statement:\n{body}"
+    );
+    assert!(
+        config
+            .iter()
+            .any(|c| c == "plan_cache_mode=force_generic_plan"),
+        "pgbus.claim does not run with a generic plan: {config:?}"
+    );
 }
 
 /// (node type, relation, index) of every node of an EXPLAIN (FORMAT JSON) plan.

@@ -150,7 +150,7 @@ async fn a_sweep_and_a_claim_blocked_by_a_lock_are_cancelled_at_shutdown() {
         .await
         .unwrap();
     wait_blocked(&client, "%pgbus.sweep%").await;
-    wait_blocked(&client, "%FOR UPDATE SKIP LOCKED%").await;
+    wait_blocked(&client, "%pgbus.claim(%").await;
 
     let result = common::within(
         "shutdown to end within its timeout",
