@@ -97,6 +97,8 @@ pub(crate) enum PublishState {
     Busy,
     /// A real bus with a no-op handler runs while the publishers publish.
     Live,
+    /// As `busy`, but the publishers call the SQL function `pgbus.publish()`.
+    Sql,
 }
 
 impl PublishState {
@@ -107,6 +109,7 @@ impl PublishState {
             PublishState::Asleep => "asleep",
             PublishState::Busy => "busy",
             PublishState::Live => "live",
+            PublishState::Sql => "sql",
         }
     }
 }
@@ -195,7 +198,7 @@ pub(crate) struct Knobs {
 
     /// publish: consumer states (the plain INSERT floor always runs).
     #[arg(long, value_enum, value_delimiter = ',',
-          default_values_t = [PublishState::Off, PublishState::None, PublishState::Asleep, PublishState::Busy])]
+          default_values_t = [PublishState::Off, PublishState::None, PublishState::Asleep, PublishState::Busy, PublishState::Sql])]
     pub states: Vec<PublishState>,
 
     /// publish: measured seconds per cell (after a short warm-up).
@@ -263,6 +266,7 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<&str>) -> Result<(
         ],
         ref one => std::slice::from_ref(one),
     };
+    let mut targets = Vec::new();
     for &workload in workloads {
         let mut reports = Vec::new();
         match workload {
@@ -290,9 +294,34 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<&str>) -> Result<(
                 object["bus_synchronous_commit"] = json!(args.bus_synchronous_commit);
                 object["settings"] = settings.clone();
                 object["machine"] = machine.clone();
+                object["targets"] = report.targets.iter().map(Target::json).collect();
                 println!("{object}");
             } else {
                 println!("\n== {} ==\n{}", workload.name(), report.text.trim_end());
+                for target in &report.targets {
+                    println!("{}", target.line());
+                }
+            }
+            targets.extend(report.targets);
+        }
+    }
+    if workloads.len() > 1 {
+        let passed = targets.iter().filter(|t| t.pass()).count();
+        if args.json {
+            println!(
+                "{}",
+                json!({
+                    "workload": "targets",
+                    "passed": passed,
+                    "missed": targets.len() - passed,
+                    "targets": targets.iter().map(Target::json).collect::<Vec<_>>(),
+                    "machine": machine,
+                })
+            );
+        } else {
+            println!("\n== targets: {passed} of {} met ==", targets.len());
+            for target in &targets {
+                println!("{}", target.line());
             }
         }
     }
@@ -314,6 +343,79 @@ pub(crate) struct Report {
     pub json: Value,
     /// The same figures for people.
     pub text: String,
+    /// The performance targets this workload's figures are checked against.
+    pub targets: Vec<Target>,
+}
+
+/// A performance target: a measured figure against its goal, which it meets or misses.
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    /// A stable name (`publish_16_vs_insert`).
+    pub name: &'static str,
+    /// The measured figure (a ratio, a rate or milliseconds).
+    pub value: f64,
+    /// The goal.
+    pub goal: f64,
+    /// Whether the figure must stay at or below the goal (a latency) rather than reach it.
+    pub at_most: bool,
+    /// What the figure is, for people.
+    pub what: String,
+}
+
+impl Target {
+    /// A figure that must reach `goal`.
+    pub(crate) fn at_least(name: &'static str, value: f64, goal: f64, what: &str) -> Target {
+        Target::new(name, value, goal, false, what)
+    }
+
+    /// A figure that must stay at or below `goal`.
+    pub(crate) fn at_most(name: &'static str, value: f64, goal: f64, what: &str) -> Target {
+        Target::new(name, value, goal, true, what)
+    }
+
+    fn new(name: &'static str, value: f64, goal: f64, at_most: bool, what: &str) -> Target {
+        let what = what.to_string();
+        Target {
+            name,
+            value,
+            goal,
+            at_most,
+            what,
+        }
+    }
+
+    /// Whether the figure meets its goal (a figure that could not be measured does not).
+    pub(crate) fn pass(&self) -> bool {
+        if self.at_most {
+            self.value <= self.goal
+        } else {
+            self.value >= self.goal
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "name": self.name,
+            "value": round(self.value),
+            "target": self.goal,
+            "comparison": if self.at_most { "<=" } else { ">=" },
+            "pass": self.pass(),
+            "what": self.what,
+        })
+    }
+
+    /// `PASS name: value (target >= goal)  what`.
+    fn line(&self) -> String {
+        format!(
+            "{} {}: {} (target {} {})  {}",
+            if self.pass() { "PASS" } else { "MISS" },
+            self.name,
+            fmt_num(round(self.value)),
+            if self.at_most { "<=" } else { ">=" },
+            fmt_num(self.goal),
+            self.what
+        )
+    }
 }
 
 impl Report {
@@ -329,6 +431,7 @@ impl Report {
         Report {
             json: object.into(),
             text,
+            targets: Vec::new(),
         }
     }
 }

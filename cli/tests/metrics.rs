@@ -176,9 +176,16 @@ async fn consume_serves_metrics_whose_acked_count_is_the_events_consumed() {
         consumer.next().await;
     }
     let acked = [("subscription", "audit"), ("outcome", "acked")];
-    let (types, samples) = scrape_until(addr, "7 acked deliveries at /metrics", |s| {
-        value(s, "pgbus_deliveries_total", &acked) == Some(7.0)
-    })
+    // The backlog gauges come from the maintenance tick's first sample, which under load
+    // can come after the seven acknowledgements: wait for both.
+    let (types, samples) = scrape_until(
+        addr,
+        "7 acked deliveries and the backlog gauges at /metrics",
+        |s| {
+            value(s, "pgbus_deliveries_total", &acked) == Some(7.0)
+                && s.contains_key("pgbus_backlog")
+        },
+    )
     .await;
     let typed = |name: &str| types.get(name).map(String::as_str);
     assert_eq!(typed("pgbus_deliveries_total"), Some("counter"));

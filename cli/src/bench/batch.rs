@@ -166,5 +166,6 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
     Ok(Report {
         json: object.into(),
         text,
+        targets: Vec::new(),
     })
 }

@@ -85,6 +85,7 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
     Ok(Report {
         json: object.into(),
         text,
+        targets: Vec::new(),
     })
 }
 

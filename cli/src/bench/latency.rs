@@ -11,7 +11,11 @@ use futures::StreamExt;
 use serde_json::json;
 use tokio_postgres::AsyncMessage;
 
-use super::{BenchArgs, BenchDb, Report, Runs, Server, histogram, record, wait_until};
+use super::{BenchArgs, BenchDb, Report, Runs, Server, Target, histogram, record, wait_until};
+
+/// The idle latency targets, commit returned -> handler started (ms).
+const TARGET_P50_MS: f64 = 0.5;
+const TARGET_P99_MS: f64 = 1.5;
 use pgbus::Event;
 use pgbus::{Error, Result};
 
@@ -132,9 +136,29 @@ pub(super) async fn run(server: &Server, args: &BenchArgs, poll_only: bool) -> R
         runs.show("ratio.p99"),
         runs.show_latency("commit."),
     );
+    // The targets are the push mode's: poll-only shows what the fallback timer alone gives.
+    let targets = if poll_only {
+        Vec::new()
+    } else {
+        vec![
+            Target::at_most(
+                "latency_p50_ms",
+                runs.median("bus.p50_ms"),
+                TARGET_P50_MS,
+                "idle bus, commit returned -> handler started, p50 (ms)",
+            ),
+            Target::at_most(
+                "latency_p99_ms",
+                runs.median("bus.p99_ms"),
+                TARGET_P99_MS,
+                "idle bus, commit returned -> handler started, p99 (ms)",
+            ),
+        ]
+    };
     Ok(Report {
         json: object.into(),
         text,
+        targets,
     })
 }
 

@@ -6,7 +6,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::{BenchArgs, Report, Runs, Server, seed_keyed_backlog};
+use super::{BenchArgs, Report, Runs, Server, Target, seed_keyed_backlog};
+
+/// The drain target: deliveries per second of a 20,000 backlog at concurrency 8.
+const TARGET_DRAIN_PER_S: f64 = 28_000.0;
+/// How much slower per event a 1,000,000 backlog may drain than a 20,000 one.
+const TARGET_DEEP_SLOWDOWN: f64 = 1.3;
 use pgbus::{Error, Result};
 
 /// The default backlog.
@@ -28,6 +33,8 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
     };
     let mut cases = Vec::new();
     let mut text = String::new();
+    // Unordered fan-out 1 rates by backlog, for the targets.
+    let mut single = Vec::new();
     for &backlog in &backlogs {
         for &fan_out in &fan_outs {
             let mut runs = Runs::default();
@@ -67,10 +74,31 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
                     runs.show("first_deliveries_per_s")
                 ));
             }
+            if fan_out == 1 && args.knobs.ordered_keys == 0 {
+                single.push((backlog, runs.median("deliveries_per_s")));
+            }
             cases.push(case);
         }
     }
-    Ok(Report::of_cases(cases, 0, text))
+    let mut report = Report::of_cases(cases, 0, text);
+    let rate = |n: u64| single.iter().find(|(b, _)| *b == n).map(|(_, r)| *r);
+    if let (8, Some(r)) = (args.knobs.concurrency, rate(20_000)) {
+        report.targets.push(Target::at_least(
+            "drain_20000_per_s",
+            r,
+            TARGET_DRAIN_PER_S,
+            "a 20,000 backlog drained at concurrency 8, one subscription (deliveries/s)",
+        ));
+        if let Some(deep) = rate(1_000_000) {
+            report.targets.push(Target::at_most(
+                "drain_1000000_slowdown",
+                r / deep,
+                TARGET_DEEP_SLOWDOWN,
+                "time per event draining 1,000,000 / draining 20,000",
+            ));
+        }
+    }
+    Ok(report)
 }
 
 /// One drain's figures.
