@@ -112,3 +112,54 @@ async fn only_one_sweep_runs_at_a_time() {
     assert_eq!((rest.events, rest.batches, rest.busy), (3, 2, false));
     assert_eq!(count(&client, "SELECT count(*) FROM pgbus.events").await, 0);
 }
+
+/// The sweep asks each subscription that has deliveries whether one still refers to an
+/// event (there is no index on the event alone): one refused delivery of any
+/// subscription keeps it, also of a subscription whose row is gone (no foreign keys),
+/// pending, processing or dead alike; an event with none left is swept.
+#[tokio::test]
+async fn the_sweep_keeps_every_event_a_delivery_still_refers_to() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    for sub in ["a", "b", "c"] {
+        pgbus::admin::register_subscription(&client, sub, &["x.*"], 25)
+            .await
+            .unwrap();
+    }
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.events (id, event_name, created_at) \
+             SELECT id, 'x.y', now() - interval '2 days' \
+             FROM unnest('{done,pending,processing,dead,orphan}'::text[]) AS id; \
+             INSERT INTO pgbus.events (id, event_name) VALUES ('young', 'x.y');
+             -- Every event has a delivery for a, b and c; leave one of each kind.
+             DELETE FROM pgbus.deliveries AS d USING pgbus.events AS e
+             WHERE e.seq = d.event_seq
+               AND (e.id = 'done' OR (e.id <> 'young' AND d.subscription <> 'b'));
+             UPDATE pgbus.deliveries AS d SET status = 'processing', locked_by = 'w', \
+                    locked_until = now() + interval '1 hour' \
+             FROM pgbus.events AS e WHERE e.seq = d.event_seq AND e.id = 'processing'; \
+             UPDATE pgbus.deliveries AS d SET status = 'dead' \
+             FROM pgbus.events AS e WHERE e.seq = d.event_seq AND e.id = 'dead'; \
+             -- b's row goes, its deliveries stay (as a drop racing a publish can leave them),
+             -- except for 'orphan', whose only delivery becomes one of a subscription
+             -- that never had a row.
+             UPDATE pgbus.deliveries AS d SET subscription = 'gone' \
+             FROM pgbus.events AS e WHERE e.seq = d.event_seq AND e.id = 'orphan'; \
+             DELETE FROM pgbus.subscriptions WHERE name = 'b';",
+        )
+        .await
+        .unwrap();
+    let swept = pgbus::admin::sweep_batch(&client, Duration::from_secs(86_400), 100)
+        .await
+        .unwrap();
+    assert_eq!(swept.events, 1, "{swept:?}");
+    let left: Vec<String> = client
+        .query("SELECT id FROM pgbus.events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["dead", "orphan", "pending", "processing", "young"]);
+}
