@@ -4,13 +4,14 @@
 //! never begin or commit one: the events become visible, and their deliveries claimable,
 //! exactly when the caller's business transaction commits, and vanish with it when it
 //! rolls back. Each call is one round trip: a call of the SQL function
-//! `pgbus.publish_batch` ([`PUBLISH_BATCH`]), sent as an unnamed prepared statement with
-//! its parameter types, so it works behind transaction-mode poolers too; the function's
-//! own statement is planned once per connection (PL/pgSQL caches its plan), where the
-//! whole statement sent unnamed was planned on every call. One event is a batch of one.
+//! `pgbus.publish_event` ([`PUBLISH_EVENT`], one event) or `pgbus.publish_batch`
+//! ([`PUBLISH_BATCH`]), sent as an unnamed prepared statement with its parameter types,
+//! so it works behind transaction-mode poolers too; the function's own statements are
+//! planned once per connection (PL/pgSQL caches their plans), where the whole statement
+//! sent unnamed was planned on every call.
 //!
 //! With the `sqlx` feature, `pgbus::sqlx` publishes through sqlx's executors with the
-//! same checks, statement and answers: [`Publisher::one`] and [`Publisher::columns`]
+//! same checks, statements and answers: [`Publisher::row`] and [`Publisher::columns`]
 //! make the parameters, [`published`] and [`batch_published`] read the answer; only the
 //! sending differs.
 
@@ -21,7 +22,7 @@ use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::event::{DEFAULT_MAX_PAYLOAD_BYTES, Encoded, Event};
-use crate::sql::PUBLISH_BATCH;
+use crate::sql::{PUBLISH_BATCH, PUBLISH_EVENT, PUBLISH_TYPES};
 use crate::trace_context::{Outgoing, TRACEPARENT, TRACESTATE};
 
 /// A connection or transaction that pgbus can publish through.
@@ -125,8 +126,8 @@ const BATCH_TYPES: [Type; 14] = [
     Type::TEXT_ARRAY,
 ];
 
-/// The 14 parameters of a [`Columns`], in the order of [`PUBLISH_BATCH`]'s arrays, each
-/// with the type given in `$types`.
+/// The 14 parameters of a [`Row`] or [`Columns`], in the order of [`PUBLISH_BATCH`]'s
+/// parameters, each with the type given in `$types`.
 macro_rules! typed_params {
     ($s:expr, $types:expr) => {
         [
@@ -174,9 +175,9 @@ impl Publisher {
         event: &Event,
     ) -> Result<Published> {
         let span = publish_span(event);
-        let columns = self.one(event, &span)?;
-        let params = typed_params!(columns, BATCH_TYPES);
-        let (inserted, conflict) = send(client, PUBLISH_BATCH, &params, span).await?;
+        let row = self.row(event, &span)?;
+        let params = typed_params!(row, PUBLISH_TYPES);
+        let (inserted, conflict) = send(client, PUBLISH_EVENT, &params, span).await?;
         published(inserted, conflict)
     }
 
@@ -200,14 +201,28 @@ impl Publisher {
         batch_published(inserted, conflict)
     }
 
-    /// One event checked and encoded as a batch of one, with the trace context of `span`
-    /// in its headers (see [`Outgoing`]). Every check runs here, before anything is sent.
-    pub(crate) fn one<'a>(&self, event: &'a Event, span: &tracing::Span) -> Result<Columns<'a>> {
+    /// One event checked and encoded as [`PUBLISH_EVENT`]'s parameters, with the trace
+    /// context of `span` in its headers (see [`Outgoing`]). Every check runs here, before
+    /// anything is sent.
+    pub(crate) fn row<'a>(&self, event: &'a Event, span: &tracing::Span) -> Result<Row<'a>> {
         let mut enc = event.encode(self.max_payload_bytes)?;
         Outgoing::of(span).write(&event.headers, &mut enc.headers);
-        let mut columns = Columns::with_capacity(1);
-        columns.push(event, enc);
-        Ok(columns)
+        Ok(Row {
+            id: &event.id,
+            name: &event.name,
+            version: event.version,
+            source: event.source.as_deref(),
+            aggregate_type: event.aggregate_type.as_deref(),
+            aggregate_id: event.aggregate_id.as_deref(),
+            correlation_id: event.correlation_id.as_deref(),
+            causation_id: event.causation_id.as_deref(),
+            occurred_at: event.occurred_at,
+            payload: enc.payload,
+            headers: enc.headers,
+            deliver_at: event.deliver_at,
+            delay_ms: enc.delay_ms,
+            ordering_key: event.ordering_key.as_deref(),
+        })
     }
 
     /// A batch checked and encoded as the batch statement's arrays, identical repeats of
@@ -316,6 +331,24 @@ pub(crate) fn batch_published(inserted: i64, conflict: Option<String>) -> Result
             Ok(inserted as u64)
         }
     }
+}
+
+/// One event as [`PUBLISH_EVENT`]'s parameters (the same field names as [`Columns`]).
+pub(crate) struct Row<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) name: &'a str,
+    pub(crate) version: i32,
+    pub(crate) source: Option<&'a str>,
+    pub(crate) aggregate_type: Option<&'a str>,
+    pub(crate) aggregate_id: Option<&'a str>,
+    pub(crate) correlation_id: Option<&'a str>,
+    pub(crate) causation_id: Option<&'a str>,
+    pub(crate) occurred_at: Option<DateTime<Utc>>,
+    pub(crate) payload: String,
+    pub(crate) headers: String,
+    pub(crate) deliver_at: Option<DateTime<Utc>>,
+    pub(crate) delay_ms: Option<i64>,
+    pub(crate) ordering_key: Option<&'a str>,
 }
 
 /// Events as the publish statement's arrays, one per column, in the order of

@@ -591,8 +591,17 @@ pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
 pub const PUBLISH_BATCH: &str = "SELECT inserted, conflict \
      FROM pgbus.publish_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
 
+/// Publishes one event ([`publish`](crate::publish()) and `pgbus::sqlx::publish`): a call
+/// of `pgbus.publish_event` (migration 11), with [`PUBLISH_BATCH`]'s contract for a batch
+/// of one, but scalar parameters of [`PUBLISH_TYPES`] in the same order: cheaper for one
+/// event than arrays to decode and expand. Returns one row: `inserted` (0 or 1) and
+/// `conflict` (the id, when it is in the log with different content; then nothing was
+/// written).
+pub const PUBLISH_EVENT: &str = "SELECT inserted, conflict \
+     FROM pgbus.publish_event($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
+
 /// The types of one event's 14 values, in the order of [`PUBLISH_BATCH`]'s parameters
-/// (their element types).
+/// (their element types): [`PUBLISH_EVENT`]'s parameters.
 pub const PUBLISH_TYPES: [tokio_postgres::types::Type; 14] = [
     tokio_postgres::types::Type::TEXT,
     tokio_postgres::types::Type::TEXT,
@@ -641,5 +650,6 @@ pub const ALL: &[(&str, &str)] = &[
     ("SUBSCRIPTION_DROP", SUBSCRIPTION_DROP),
     ("SWEEP", SWEEP),
     ("PUBLISH_BATCH", PUBLISH_BATCH),
+    ("PUBLISH_EVENT", PUBLISH_EVENT),
     ("CLAIM_CALL", CLAIM_CALL),
 ];

@@ -56,12 +56,12 @@ use crate::publish::{Published, Publisher, batch_published, batch_span, publish_
 use crate::schema::{
     LOCK, MIGRATE_LOCK_KEY, Migration, RECORD, RECORDED, SERVER, Session, SessionTx,
 };
-use crate::sql::PUBLISH_BATCH;
+use crate::sql::{PUBLISH_BATCH, PUBLISH_EVENT};
 
 pub use crate::error::SqlxError;
 
-/// Binds the 14 parameters of a [`Columns`](crate::publish::Columns), in the order of the
-/// publish statement.
+/// Binds the 14 parameters of a [`Row`](crate::publish::Row) or a
+/// [`Columns`](crate::publish::Columns), in the order of the publish statements.
 macro_rules! bind_params {
     ($query:expr, $s:expr) => {
         $query
@@ -129,8 +129,8 @@ pub async fn publish_with<'c, E: PgExecutor<'c>>(
     event: &Event,
 ) -> Result<Published> {
     let span = publish_span(event);
-    let columns = publisher.one(event, &span)?;
-    let query = bind_params!(statement(PUBLISH_BATCH), columns);
+    let row = publisher.row(event, &span)?;
+    let query = bind_params!(statement(PUBLISH_EVENT), row);
     let (inserted, conflict) = send(query, executor, span).await?;
     published(inserted, conflict)
 }
