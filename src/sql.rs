@@ -561,6 +561,105 @@ FROM redriven";
 /// there was a dead head to skip.
 pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
 
+// ---- The dashboard (`pgbus ui`): reads of crate::admin ----
+
+/// The live consumers (running buses), by id. No parameters.
+///
+/// Columns: `id` (the worker id), `awake` (false: asleep, publishers notify it),
+/// `expires_at` (when the row stops counting as live without another heartbeat),
+/// `subscriptions`, `started_at`, `info` (the process's description: `pid N on HOST`).
+///
+/// `pgbus.consumers` holds one row per running bus (a few): a scan of it.
+pub const CONSUMERS_LIST: &str = "\
+SELECT id, awake, expires_at, subscriptions, started_at, info
+FROM pgbus.consumers
+WHERE expires_at > now()
+ORDER BY id";
+
+/// How many events each subscription finished recently: the events created in the last
+/// `$1 float8` seconds (and already due) that the subscription matches and has no
+/// delivery of any more (completed, or purged), as `done_last_minute` in
+/// [`STATUS_SUBSCRIPTIONS`] counts them over a window of one's choosing. Completed
+/// deliveries are deleted, so the log is the only cheap record of them: a retry or
+/// replay of an older event is not counted.
+///
+/// Columns: `subscription`, `delivered`; a subscription with none has no row.
+///
+/// Reads only the window's events (`events_created_at_idx`), each matched through the
+/// pattern index and probed by primary key in the deliveries: its cost follows the
+/// window's events, never the backlog.
+pub const DELIVERED_RECENTLY: &str = "\
+SELECT m.subscription, count(*) AS delivered
+FROM pgbus.events AS e
+CROSS JOIN LATERAL pgbus.subscriptions_matching(e.event_name) AS m
+JOIN pgbus.subscriptions AS s ON s.name = m.subscription
+WHERE e.created_at > now() - $1::float8 * interval '1 second'
+  AND e.available_at <= now()
+  AND e.created_at >= s.created_at
+  AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
+                  WHERE d.subscription = m.subscription AND d.event_seq = e.seq)
+GROUP BY m.subscription
+ORDER BY m.subscription";
+
+/// The failure history of deliveries: every failed attempt, oldest first. Parameters:
+/// `$1 text` subscription, `$2 int8[]` event seqs, `$3 int8` the most rows returned.
+///
+/// Columns: `event_seq`, `attempt`, `error`, `worker`, `failed_at`.
+///
+/// One range of `delivery_failures_delivery_idx` per event seq.
+pub const FAILURE_HISTORY: &str = "\
+SELECT f.event_seq, f.attempt, f.error, f.worker, f.failed_at
+FROM pgbus.delivery_failures AS f
+WHERE f.subscription = $1::text AND f.event_seq = ANY ($2::int8[])
+ORDER BY f.event_seq, f.failed_at, f.id
+LIMIT $3::int8";
+
+/// Events by id or by correlation id, oldest first. Parameters: `$1 text` an id or a
+/// correlation id, `$2 int8` the most rows returned.
+///
+/// Columns: every column of `pgbus.events` the claim reads (`seq`, `id`, `event_name`,
+/// `event_version`, `source`, `aggregate_type`, `aggregate_id`, `correlation_id`,
+/// `causation_id`, `occurred_at`, `payload`, `headers`, `created_at`, `ordering_key`).
+///
+/// By id: one probe of `events_id_key`. By correlation id: the log has no index on it,
+/// so that half reads the log (BENCHMARKS.md, "Dashboard queries").
+pub const EVENTS_FIND: &str = "\
+SELECT e.seq, e.id, e.event_name, e.event_version, e.source, e.aggregate_type,
+       e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
+       e.headers, e.created_at, e.ordering_key
+FROM pgbus.events AS e
+WHERE e.id = $1::text OR e.correlation_id = $1::text
+ORDER BY e.seq
+LIMIT $2::int8";
+
+/// Where one event's delivery stands in each subscription that has it or matches it.
+/// Parameter: `$1 int8` the event's seq.
+///
+/// Columns: `subscription`; `status`, the delivery's (`pending`, `processing`, `dead`),
+/// or `done` when the subscription matches the event, existed when it was published and
+/// has no delivery of it any more (completed, or purged); `attempts`, `available_at`,
+/// `locked_by`, `last_error` (NULL when done); `ordering_key` and `is_head`, for ordered
+/// subscriptions.
+///
+/// The deliveries through `deliveries_event_seq_idx`, the matching subscriptions through
+/// the pattern index.
+pub const EVENT_DELIVERIES: &str = "\
+WITH e AS (
+  SELECT seq, event_name, created_at FROM pgbus.events WHERE seq = $1::int8
+),
+matched AS (
+  SELECT m.subscription FROM e
+  CROSS JOIN LATERAL pgbus.subscriptions_matching(e.event_name) AS m
+  JOIN pgbus.subscriptions AS s ON s.name = m.subscription
+  WHERE e.created_at >= s.created_at
+)
+SELECT coalesce(d.subscription, matched.subscription) AS subscription,
+       coalesce(d.status, 'done') AS status, d.attempts, d.available_at, d.locked_by,
+       d.last_error, d.ordering_key, d.is_head
+FROM (SELECT * FROM pgbus.deliveries WHERE event_seq = $1::int8) AS d
+FULL JOIN matched ON matched.subscription = d.subscription
+ORDER BY 1";
+
 /// The start of publishing's statement ([`publish`](crate::publish()),
 /// [`publish_batch`](crate::publish_batch())): `PUBLISH_HEAD`, a source of rows (`VALUES`
 /// for one event, `unnest` of arrays for a batch), `AS` [`PUBLISH_COLUMNS`], then
@@ -667,4 +766,9 @@ pub const ALL: &[(&str, &str)] = &[
     ("SUBSCRIPTIONS_LIST", SUBSCRIPTIONS_LIST),
     ("SUBSCRIPTION_DROP", SUBSCRIPTION_DROP),
     ("SWEEP", SWEEP),
+    ("CONSUMERS_LIST", CONSUMERS_LIST),
+    ("DELIVERED_RECENTLY", DELIVERED_RECENTLY),
+    ("FAILURE_HISTORY", FAILURE_HISTORY),
+    ("EVENTS_FIND", EVENTS_FIND),
+    ("EVENT_DELIVERIES", EVENT_DELIVERIES),
 ];
