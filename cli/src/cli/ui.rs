@@ -876,6 +876,8 @@ async fn style_css() -> Response {
 /// The form of every action: the CSRF token and what the action needs.
 #[derive(Debug, Deserialize)]
 struct ActionForm {
+    /// The CSRF token (absent: empty, refused).
+    #[serde(default)]
     csrf: String,
     /// Retry: one dead letter, by its event's id (absent: every dead letter).
     event_id: Option<String>,
