@@ -456,6 +456,9 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
     browser.close().await.unwrap();
 }
 
+/// A request the dashboard must refuse: what it lacks, its headers, its form.
+type Refused<'a> = (&'a str, Vec<(&'a str, &'a str)>, String);
+
 /// The CSRF token of a `pgbus ui`: its cookie's value.
 async fn csrf_cookie(ui: &Ui, auth: &[(&str, &str)]) -> String {
     let answer = http(ui.addr, "GET", "/", auth, "").await;
@@ -509,7 +512,7 @@ async fn actions_need_the_token_the_cookie_and_the_same_origin() {
     let cookie = format!("pgbus_csrf={token}");
     let origin = format!("http://{}", ui.addr);
     let form = format!("csrf={token}&event_id=e1");
-    let refused: [(&str, Vec<(&str, &str)>, String); 5] = [
+    let refused: [Refused<'_>; 5] = [
         ("no token, no cookie", vec![], "event_id=e1".to_string()),
         (
             "the cookie alone",
