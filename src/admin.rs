@@ -43,6 +43,10 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Default number of events one sweep batch deletes: 1,000.
 pub const DEFAULT_SWEEP_BATCH: i32 = 1000;
 
+/// How long a bus's row in `pgbus.consumers` stays live without a heartbeat (the bus
+/// renews it every 10 seconds): its last heartbeat is its expiry less this.
+pub(crate) const CONSUMER_TTL: Duration = Duration::from_secs(30);
+
 /// The advisory lock that keeps sweeps from running in two processes at once.
 const SWEEP_LOCK_KEY: i64 = 0x7067_6275_735f_7377; // "pgbus_sw"
 
@@ -1153,7 +1157,7 @@ pub struct ConsumerInfo {
 ///
 /// [`Error::Database`] when the statement fails.
 pub async fn consumers<C: Executor + ?Sized>(client: &C) -> Result<Vec<ConsumerInfo>> {
-    let ttl = chrono::Duration::from_std(crate::maintain::CONSUMER_TTL)
+    let ttl = chrono::Duration::from_std(CONSUMER_TTL)
         .map_err(|_| Error::Unexpected("the consumers' time to live is out of range"))?;
     let rows = client
         .client()
@@ -1175,30 +1179,57 @@ pub async fn consumers<C: Executor + ?Sized>(client: &C) -> Result<Vec<ConsumerI
         .collect()
 }
 
+/// What [`delivered_recently`] counted.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RecentlyDelivered {
+    /// Events finished per subscription, by name; a subscription that finished none is
+    /// absent.
+    pub delivered: Vec<(String, i64)>,
+    /// The window held more events than the most read: the counts are of the newest
+    /// ones only, lower bounds.
+    pub capped: bool,
+}
+
 /// How many events of the last `window` each subscription has finished (completed, or
-/// purged), by subscription name; a subscription that finished none is absent. Divided
-/// by the window, it is the subscription's recent throughput. Read from the log, as
-/// [`SubscriptionStatus::done_last_minute`]: its cost follows the window's events, not
-/// the backlog.
+/// purged), reading at most the `max_events` newest events of the window. Divided by
+/// the window, it is the subscription's recent throughput (a lower bound when
+/// [`capped`](RecentlyDelivered::capped)). Read from the log, as
+/// [`SubscriptionStatus::done_last_minute`]: its cost is bounded by `max_events`,
+/// whatever the backlog or the publishing rate.
 ///
 /// # Errors
 ///
-/// [`Error::Invalid`] for a zero window, [`Error::Database`] when the statement fails.
+/// [`Error::Invalid`] for a zero window or `max_events` below 1, [`Error::Database`]
+/// when the statement fails.
 pub async fn delivered_recently<C: Executor + ?Sized>(
     client: &C,
     window: Duration,
-) -> Result<Vec<(String, i64)>> {
+    max_events: i64,
+) -> Result<RecentlyDelivered> {
     if window.is_zero() {
         return Err(Error::invalid("window", "must be positive"));
+    }
+    if max_events < 1 {
+        return Err(Error::invalid("max events", "must be at least 1"));
     }
     let seconds = window.as_secs_f64();
     let rows = client
         .client()
-        .query_typed(sql::DELIVERED_RECENTLY, &[(&seconds, Type::FLOAT8)])
+        .query_typed(
+            sql::DELIVERED_RECENTLY,
+            &[(&seconds, Type::FLOAT8), (&max_events, Type::INT8)],
+        )
         .await?;
-    rows.iter()
-        .map(|row| Ok((row.try_get("subscription")?, row.try_get("delivered")?)))
-        .collect()
+    let mut out = RecentlyDelivered::default();
+    for row in &rows {
+        out.capped |= row.try_get::<_, bool>("capped")?;
+        if let Some(subscription) = row.try_get::<_, Option<String>>("subscription")? {
+            out.delivered
+                .push((subscription, row.try_get("delivered")?));
+        }
+    }
+    Ok(out)
 }
 
 /// One failed attempt of a delivery, from [`failure_history`].

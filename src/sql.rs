@@ -576,30 +576,47 @@ FROM pgbus.consumers
 WHERE expires_at > now()
 ORDER BY id";
 
-/// How many events each subscription finished recently: the events created in the last
-/// `$1 float8` seconds (and already due) that the subscription matches and has no
-/// delivery of any more (completed, or purged), as `done_last_minute` in
-/// [`STATUS_SUBSCRIPTIONS`] counts them over a window of one's choosing. Completed
-/// deliveries are deleted, so the log is the only cheap record of them: a retry or
-/// replay of an older event is not counted.
+/// How many events each subscription finished recently: of the events created in the
+/// last `$1 float8` seconds (and already due), at most the `$2 int8` newest, those that
+/// the subscription matches and has no delivery of any more (completed, or purged), as
+/// `done_last_minute` in [`STATUS_SUBSCRIPTIONS`] counts them over a window of one's
+/// choosing. Completed deliveries are deleted, so the log is the only cheap record of
+/// them: a retry or replay of an older event is not counted.
 ///
-/// Columns: `subscription`, `delivered`; a subscription with none has no row.
+/// Columns: `subscription`, `delivered`, and `capped`, whether the window held more than
+/// `$2` events (then `delivered` counts only among the newest `$2`: a lower bound). A
+/// subscription that finished none has no row; when none did, one row of NULLs but
+/// `capped`.
 ///
-/// Reads only the window's events (`events_created_at_idx`), each matched through the
-/// pattern index and probed by primary key in the deliveries: its cost follows the
-/// window's events, never the backlog.
+/// Reads at most `$2` entries of `events_created_at_idx` (newest first), each event
+/// matched through the pattern index and probed by primary key in the deliveries: its
+/// cost is bounded by `$2`, whatever the backlog or the publishing rate.
 pub const DELIVERED_RECENTLY: &str = "\
-SELECT m.subscription, count(*) AS delivered
-FROM pgbus.events AS e
-CROSS JOIN LATERAL pgbus.subscriptions_matching(e.event_name) AS m
-JOIN pgbus.subscriptions AS s ON s.name = m.subscription
-WHERE e.created_at > now() - $1::float8 * interval '1 second'
-  AND e.available_at <= now()
-  AND e.created_at >= s.created_at
-  AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
-                  WHERE d.subscription = m.subscription AND d.event_seq = e.seq)
-GROUP BY m.subscription
-ORDER BY m.subscription";
+WITH recent AS (
+  SELECT e.seq, e.event_name, e.created_at, e.available_at
+  FROM pgbus.events AS e
+  WHERE e.created_at > now() - $1::float8 * interval '1 second'
+  ORDER BY e.created_at DESC
+  LIMIT $2::int8 + 1
+),
+kept AS (
+  SELECT * FROM recent ORDER BY created_at DESC LIMIT $2::int8
+),
+done AS (
+  SELECT m.subscription, count(*) AS delivered
+  FROM kept AS e
+  CROSS JOIN LATERAL pgbus.subscriptions_matching(e.event_name) AS m
+  JOIN pgbus.subscriptions AS s ON s.name = m.subscription
+  WHERE e.available_at <= now()
+    AND e.created_at >= s.created_at
+    AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
+                    WHERE d.subscription = m.subscription AND d.event_seq = e.seq)
+  GROUP BY m.subscription
+)
+SELECT done.subscription, done.delivered, (SELECT count(*) FROM recent) > $2::int8 AS capped
+FROM (SELECT 1) AS one
+LEFT JOIN done ON true
+ORDER BY done.subscription";
 
 /// The failure history of deliveries: every failed attempt, oldest first. Parameters:
 /// `$1 text` subscription, `$2 int8[]` event seqs, `$3 int8` the most rows returned.

@@ -106,7 +106,10 @@ async fn http(
     body: &str,
 ) -> Answer {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut request = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
+    let mut request = format!("{method} {path} HTTP/1.0\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        request.push_str(&format!("Host: {addr}\r\n"));
+    }
     for (k, v) in headers {
         request.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -509,6 +512,14 @@ async fn actions_need_the_token_the_cookie_and_the_same_origin() {
             .unwrap()
             .contains("script-src 'self'")
     );
+    // A page of another site whose name resolves to the loopback address (DNS
+    // rebinding) reaches the dashboard with its own name as the host: refused.
+    let rebound = format!("rebound.example:{}", ui.addr.port());
+    let answer = http(ui.addr, "GET", "/api/overview", &[("Host", &rebound)], "").await;
+    assert_eq!(answer.status, 421, "{answer:?}");
+    let localhost = format!("localhost:{}", ui.addr.port());
+    let answer = http(ui.addr, "GET", "/api/overview", &[("Host", &localhost)], "").await;
+    assert_eq!(answer.status, 200, "{answer:?}");
     let cookie = format!("pgbus_csrf={token}");
     let origin = format!("http://{}", ui.addr);
     let form = format!("csrf={token}&event_id=e1");

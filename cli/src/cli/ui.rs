@@ -39,6 +39,9 @@ const HISTORY_SAMPLES: usize = 300;
 /// The window over which the throughput (delivered per second) is measured.
 const THROUGHPUT_WINDOW: Duration = Duration::from_secs(10);
 
+/// The most events of the window the throughput reads (beyond, it is a lower bound).
+const THROUGHPUT_EVENTS: i64 = 10_000;
+
 /// How many dead letters a subscription's page lists.
 const DEAD_LETTERS_SHOWN: i64 = 50;
 
@@ -176,6 +179,8 @@ struct SubscriptionRow {
     consumers_awake: i64,
     consumers_asleep: i64,
     delivered_per_second: f64,
+    /// The throughput is a lower bound: the window held more events than were read.
+    throughput_capped: bool,
     /// `healthy`, `behind` or `failing`.
     health: &'static str,
     /// The chart: the last minutes' samples, oldest first.
@@ -219,6 +224,11 @@ struct Samples {
 /// The dashboard's state, shared by every request.
 struct App {
     pool: deadpool_postgres::Pool,
+    /// On a loopback address: the `Host` values accepted (`127.0.0.1:PORT`,
+    /// `localhost:PORT`, `[::1]:PORT`), which keeps a page of another site whose name was
+    /// made to resolve to the loopback address (DNS rebinding) from reading the
+    /// dashboard. `None`: any host (an address others reach by names of their own).
+    hosts: Option<Vec<String>>,
     csrf: String,
     allow_actions: bool,
     password: Option<String>,
@@ -345,19 +355,28 @@ pub(crate) async fn run(args: UiArgs, url: Option<&str>) -> Result<(), Failure> 
         .recycle_timeout(Some(Duration::from_secs(5)))
         .build()
         .map_err(|e| failed(format!("error: cannot set up the connection pool: {e}")))?;
-    let app = Arc::new(App {
-        pool,
-        csrf: csrf_token()?,
-        allow_actions: args.allow_actions,
-        password,
-        samples: Mutex::new(Samples::default()),
-    });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| failed(format!("error: cannot listen on {}: {e}", args.listen)))?;
     let addr = listener
         .local_addr()
         .map_err(|e| failed(format!("error: cannot listen on {}: {e}", args.listen)))?;
+    let hosts = addr.ip().is_loopback().then(|| {
+        let port = addr.port();
+        vec![
+            format!("127.0.0.1:{port}"),
+            format!("localhost:{port}"),
+            format!("[::1]:{port}"),
+        ]
+    });
+    let app = Arc::new(App {
+        pool,
+        hosts,
+        csrf: csrf_token()?,
+        allow_actions: args.allow_actions,
+        password,
+        samples: Mutex::new(Samples::default()),
+    });
     sample(&app).await;
     let sampler = tokio::spawn(sampler(app.clone(), args.interval));
     eprintln!(
@@ -423,6 +442,18 @@ async fn guard(State(app): State<Shared>, request: Request, next: Next) -> Respo
                 "Basic realm=\"pgbus\", charset=\"UTF-8\"",
             )],
             "authentication required\n",
+        )
+            .into_response()
+    } else if let Some(hosts) = &app.hosts
+        && !request
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .is_some_and(|h| hosts.iter().any(|a| a.eq_ignore_ascii_case(h)))
+    {
+        (
+            StatusCode::MISDIRECTED_REQUEST,
+            "this dashboard answers only to its loopback address\n",
         )
             .into_response()
     } else if request.method() == axum::http::Method::POST {
@@ -601,10 +632,8 @@ async fn read_overview(app: &App) -> Result<Overview, UiError> {
     let client = app.pool.get().await?;
     let client: &tokio_postgres::Client = &client;
     let backlog = admin::backlog(client, None).await?;
-    let delivered: HashMap<String, i64> = admin::delivered_recently(client, THROUGHPUT_WINDOW)
-        .await?
-        .into_iter()
-        .collect();
+    let recent = admin::delivered_recently(client, THROUGHPUT_WINDOW, THROUGHPUT_EVENTS).await?;
+    let delivered: HashMap<String, i64> = recent.delivered.into_iter().collect();
     let cluster = admin::cluster_status(client).await?;
     let consumers = admin::consumers(client).await?;
     let subscriptions = backlog
@@ -642,6 +671,7 @@ async fn read_overview(app: &App) -> Result<Overview, UiError> {
                 consumers_awake: awake,
                 consumers_asleep: asleep,
                 delivered_per_second,
+                throughput_capped: recent.capped,
                 health,
                 history: Vec::new(),
             }

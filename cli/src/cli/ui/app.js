@@ -79,7 +79,8 @@
     tr.appendChild(el("td", { "class": "age" }, age(sub.oldest_due_age)));
     tr.appendChild(el("td", { "class": "consumers" },
       sub.consumers_awake + " awake / " + sub.consumers_asleep + " asleep"));
-    tr.appendChild(el("td", { "class": "rate" }, sub.delivered_per_second.toFixed(1)));
+    tr.appendChild(el("td", { "class": "rate" },
+      (sub.throughput_capped ? "≥" : "") + sub.delivered_per_second.toFixed(1)));
     var chart = el("td", { "class": "chart" });
     var canvas = el("canvas", { width: "240", height: "48" });
     chart.appendChild(canvas);

@@ -97,7 +97,7 @@ fn subscription_row(sub: &SubscriptionRow, cap: i64) -> Markup {
             td.blocked { (count(sub.blocked_keys, cap)) }
             td.age { (age(sub.oldest_due_age)) }
             td.consumers { (sub.consumers_awake) " awake / " (sub.consumers_asleep) " asleep" }
-            td.rate { (format!("{:.1}", sub.delivered_per_second)) }
+            td.rate { @if sub.throughput_capped { "≥" } (format!("{:.1}", sub.delivered_per_second)) }
             td.chart { canvas width="240" height="48" {} }
         }
     }
