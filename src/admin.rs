@@ -1285,25 +1285,33 @@ pub async fn failure_history<C: Executor + ?Sized>(
         .collect()
 }
 
-/// The events whose id, or whose correlation id, is `id`, oldest first, at most
-/// `limit`. An event whose columns cannot be read back (see the claim's decoding) comes
-/// back with its name and id, and a payload saying why.
+/// The event whose id is `id`; when there is none, the events whose correlation id is
+/// `id`, oldest first, at most `limit`. An event whose columns cannot be read back (see
+/// the claim's decoding) comes back with its name and id, and a payload saying why.
 ///
-/// The search by correlation id reads the log (it has no index on that column); the one
-/// by id is a probe of its unique index.
+/// The search by id is a probe of the log's unique index; the one by correlation id
+/// reads the whole log (it has no index on that column).
 ///
 /// # Errors
 ///
-/// [`Error::Database`] when the statement fails.
+/// [`Error::Database`] when a statement fails.
 pub async fn find_events<C: Executor + ?Sized>(
     client: &C,
     id: &str,
     limit: i64,
 ) -> Result<Vec<crate::Event>> {
-    let rows = client
-        .client()
-        .query_typed(sql::EVENTS_FIND, &[(&id, Type::TEXT), (&limit, Type::INT8)])
+    let client = client.client();
+    let mut rows = client
+        .query_typed(sql::EVENT_BY_ID, &[(&id, Type::TEXT)])
         .await?;
+    if rows.is_empty() {
+        rows = client
+            .query_typed(
+                sql::EVENTS_BY_CORRELATION,
+                &[(&id, Type::TEXT), (&limit, Type::INT8)],
+            )
+            .await?;
+    }
     rows.iter()
         .map(|row| {
             let seq: i64 = row.try_get("seq")?;

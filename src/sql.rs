@@ -588,9 +588,11 @@ ORDER BY id";
 /// subscription that finished none has no row; when none did, one row of NULLs but
 /// `capped`.
 ///
-/// Reads at most `$2` entries of `events_created_at_idx` (newest first), each event
-/// matched through the pattern index and probed by primary key in the deliveries: its
-/// cost is bounded by `$2`, whatever the backlog or the publishing rate.
+/// Reads at most `$2` entries of `events_created_at_idx` (newest first), matches each
+/// distinct event name once through the pattern index, and probes the deliveries' primary
+/// key once per event and matching subscription (a scalar subquery, so that the planner
+/// cannot turn it into a join over every delivery): its cost is bounded by `$2`,
+/// whatever the backlog or the publishing rate.
 pub const DELIVERED_RECENTLY: &str = "\
 WITH recent AS (
   SELECT e.seq, e.event_name, e.created_at, e.available_at
@@ -602,15 +604,20 @@ WITH recent AS (
 kept AS (
   SELECT * FROM recent ORDER BY created_at DESC LIMIT $2::int8
 ),
+matched AS (
+  SELECT n.event_name, m.subscription, s.created_at
+  FROM (SELECT DISTINCT event_name FROM kept) AS n
+  CROSS JOIN LATERAL pgbus.subscriptions_matching(n.event_name) AS m
+  JOIN pgbus.subscriptions AS s ON s.name = m.subscription
+),
 done AS (
   SELECT m.subscription, count(*) AS delivered
   FROM kept AS e
-  CROSS JOIN LATERAL pgbus.subscriptions_matching(e.event_name) AS m
-  JOIN pgbus.subscriptions AS s ON s.name = m.subscription
+  JOIN matched AS m ON m.event_name = e.event_name
   WHERE e.available_at <= now()
-    AND e.created_at >= s.created_at
-    AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
-                    WHERE d.subscription = m.subscription AND d.event_seq = e.seq)
+    AND e.created_at >= m.created_at
+    AND (SELECT 1 FROM pgbus.deliveries AS d
+         WHERE d.subscription = m.subscription AND d.event_seq = e.seq) IS NULL
   GROUP BY m.subscription
 )
 SELECT done.subscription, done.delivered, (SELECT count(*) FROM recent) > $2::int8 AS capped
@@ -631,21 +638,30 @@ WHERE f.subscription = $1::text AND f.event_seq = ANY ($2::int8[])
 ORDER BY f.event_seq, f.failed_at, f.id
 LIMIT $3::int8";
 
-/// Events by id or by correlation id, oldest first. Parameters: `$1 text` an id or a
-/// correlation id, `$2 int8` the most rows returned.
+/// The event with this id. Parameter: `$1 text` the id. Columns: every column of
+/// `pgbus.events` the claim reads (`seq`, `id`, `event_name`, `event_version`, `source`,
+/// `aggregate_type`, `aggregate_id`, `correlation_id`, `causation_id`, `occurred_at`,
+/// `payload`, `headers`, `created_at`, `ordering_key`); no row when there is none.
 ///
-/// Columns: every column of `pgbus.events` the claim reads (`seq`, `id`, `event_name`,
-/// `event_version`, `source`, `aggregate_type`, `aggregate_id`, `correlation_id`,
-/// `causation_id`, `occurred_at`, `payload`, `headers`, `created_at`, `ordering_key`).
-///
-/// By id: one probe of `events_id_key`. By correlation id: the log has no index on it,
-/// so that half reads the log (BENCHMARKS.md, "Dashboard queries").
-pub const EVENTS_FIND: &str = "\
+/// One probe of `events_id_key`.
+pub const EVENT_BY_ID: &str = "\
 SELECT e.seq, e.id, e.event_name, e.event_version, e.source, e.aggregate_type,
        e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
        e.headers, e.created_at, e.ordering_key
 FROM pgbus.events AS e
-WHERE e.id = $1::text OR e.correlation_id = $1::text
+WHERE e.id = $1::text";
+
+/// The events of one correlation id, oldest first. Parameters: `$1 text` the
+/// correlation id, `$2 int8` the most rows returned. Columns as [`EVENT_BY_ID`].
+///
+/// The log has no index on `correlation_id`: this reads the whole log (a parallel
+/// sequential scan; BENCHMARKS.md, "Dashboard queries").
+pub const EVENTS_BY_CORRELATION: &str = "\
+SELECT e.seq, e.id, e.event_name, e.event_version, e.source, e.aggregate_type,
+       e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
+       e.headers, e.created_at, e.ordering_key
+FROM pgbus.events AS e
+WHERE e.correlation_id = $1::text
 ORDER BY e.seq
 LIMIT $2::int8";
 
@@ -786,6 +802,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("CONSUMERS_LIST", CONSUMERS_LIST),
     ("DELIVERED_RECENTLY", DELIVERED_RECENTLY),
     ("FAILURE_HISTORY", FAILURE_HISTORY),
-    ("EVENTS_FIND", EVENTS_FIND),
+    ("EVENT_BY_ID", EVENT_BY_ID),
+    ("EVENTS_BY_CORRELATION", EVENTS_BY_CORRELATION),
     ("EVENT_DELIVERIES", EVENT_DELIVERIES),
 ];

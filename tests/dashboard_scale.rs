@@ -175,8 +175,15 @@ async fn the_dashboard_queries_at_a_large_backlog() {
     })
     .await;
 
-    let sql = pgbus_testkit::sql::EVENTS_FIND;
-    explain(c, "EVENTS_FIND (correlation id)", sql, &[&"corr-1", &20i64]).await;
+    explain(
+        c,
+        "EVENT_BY_ID",
+        pgbus_testkit::sql::EVENT_BY_ID,
+        &[&some_id],
+    )
+    .await;
+    let sql = pgbus_testkit::sql::EVENTS_BY_CORRELATION;
+    explain(c, "EVENTS_BY_CORRELATION", sql, &[&"corr-1", &20i64]).await;
     explain(
         c,
         "DELIVERED_RECENTLY (10 s)",
