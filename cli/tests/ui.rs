@@ -828,3 +828,41 @@ async fn a_database_outage_shows_as_a_banner_and_the_dashboard_keeps_serving() {
     let page = http(ui.addr, "GET", "/subscriptions/x", &[], "").await;
     assert_eq!(page.status, 503, "{page:?}");
 }
+
+#[tokio::test]
+async fn bad_input_starts_nothing_and_a_taken_address_fails() {
+    let db = common::test_db().await;
+    for (args, env, what) in [
+        (vec!["ui", "--listen", "localhost"], vec![], "no port"),
+        (vec!["ui", "--listen", "1.2.3.4.5:80"], vec![], "a bad IP"),
+        (
+            vec!["ui", "--interval", "10ms"],
+            vec![],
+            "too short an interval",
+        ),
+        (
+            vec!["ui"],
+            vec![("PGBUS_UI_PASSWORD", "")],
+            "an empty password",
+        ),
+    ] {
+        let mut cmd = proc::pgbus_on(&db);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = proc::run(cmd, &args).await;
+        assert_eq!(out.code, 2, "{what}: {out:?}");
+        assert!(!out.stderr.contains("dashboard on"), "{what}: {out:?}");
+    }
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = proc::run(proc::pgbus_on(&db), &["ui", "--listen", &addr]).await;
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stderr.contains("cannot listen on"), "{out:?}");
+    let out = proc::run(
+        proc::pgbus(),
+        &["ui", "--database-url", "postgres://nobody@127.0.0.1:1/none"],
+    )
+    .await;
+    assert_eq!(out.code, 1, "an unreachable database: {out:?}");
+}
