@@ -21,7 +21,7 @@ use crate::sql;
 use crate::stats::{self, Counters};
 
 /// How long a bus's row in `pgbus.consumers` stays live without a heartbeat.
-const CONSUMER_TTL: Duration = Duration::from_secs(30);
+const CONSUMER_TTL: Duration = crate::admin::CONSUMER_TTL;
 /// How often the bus renews it.
 const CONSUMER_HEARTBEAT: Duration = Duration::from_secs(10);
 /// How often a bus with ordered subscriptions looks for keys left without a head.

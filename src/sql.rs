@@ -572,6 +572,150 @@ FROM redriven";
 /// there was a dead head to skip.
 pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
 
+// ---- The dashboard (`pgbus ui`): reads of crate::admin ----
+
+/// The live consumers (running buses), by id. No parameters.
+///
+/// Columns: `id` (the worker id), `awake` (false: asleep, publishers notify it),
+/// `expires_at` (when the row stops counting as live without another heartbeat),
+/// `subscriptions`, `started_at`, `info` (the process's description: `pid N on HOST`).
+///
+/// `pgbus.consumers` holds one row per running bus (a few): a scan of it.
+pub const CONSUMERS_LIST: &str = "\
+SELECT id, awake, expires_at, subscriptions, started_at, info
+FROM pgbus.consumers
+WHERE expires_at > now()
+ORDER BY id";
+
+/// How many events each subscription finished recently: of the events created in the
+/// last `$1 float8` seconds (and already due), at most the `$2 int8` newest, those that
+/// the subscription matches and has no delivery of any more (completed, or purged), as
+/// `done_last_minute` in [`STATUS_SUBSCRIPTIONS`] counts them over a window of one's
+/// choosing. Completed deliveries are deleted, so the log is the only cheap record of
+/// them: a retry or replay of an older event is not counted.
+///
+/// Columns: `subscription`, `delivered`, and `capped`, whether the window held more than
+/// `$2` events (then `delivered` counts only among the newest `$2`: a lower bound). A
+/// subscription that finished none has no row; when none did, one row of NULLs but
+/// `capped`.
+///
+/// Reads at most `$2` entries of `events_created_at_idx` (newest first), matches each
+/// distinct event name once through the pattern index, and probes the deliveries' primary
+/// key once per event and matching subscription (a scalar subquery, so that the planner
+/// cannot turn it into a join over every delivery): its cost is bounded by `$2`,
+/// whatever the backlog or the publishing rate.
+pub const DELIVERED_RECENTLY: &str = "\
+WITH recent AS (
+  SELECT e.seq, e.event_name, e.created_at, e.available_at
+  FROM pgbus.events AS e
+  WHERE e.created_at > now() - $1::float8 * interval '1 second'
+  ORDER BY e.created_at DESC
+  LIMIT $2::int8 + 1
+),
+kept AS (
+  SELECT * FROM recent ORDER BY created_at DESC LIMIT $2::int8
+),
+matched AS (
+  SELECT n.event_name, m.subscription, s.created_at
+  FROM (SELECT DISTINCT event_name FROM kept) AS n
+  CROSS JOIN LATERAL pgbus.subscriptions_matching(n.event_name) AS m
+  JOIN pgbus.subscriptions AS s ON s.name = m.subscription
+),
+done AS (
+  SELECT m.subscription, count(*) AS delivered
+  FROM kept AS e
+  JOIN matched AS m ON m.event_name = e.event_name
+  WHERE e.available_at <= now()
+    AND e.created_at >= m.created_at
+    AND (SELECT 1 FROM pgbus.deliveries AS d
+         WHERE d.subscription = m.subscription AND d.event_seq = e.seq) IS NULL
+  GROUP BY m.subscription
+)
+SELECT done.subscription, done.delivered, (SELECT count(*) FROM recent) > $2::int8 AS capped
+FROM (SELECT 1) AS one
+LEFT JOIN done ON true
+ORDER BY done.subscription";
+
+/// The failure history of deliveries: every failed attempt, oldest first. Parameters:
+/// `$1 text` subscription, `$2 int8[]` event seqs, `$3 int8` the most rows returned.
+///
+/// Columns: `event_seq`, `attempt`, `error`, `worker`, `failed_at`.
+///
+/// One range of `delivery_failures_delivery_idx` per event seq.
+pub const FAILURE_HISTORY: &str = "\
+SELECT f.event_seq, f.attempt, f.error, f.worker, f.failed_at
+FROM pgbus.delivery_failures AS f
+WHERE f.subscription = $1::text AND f.event_seq = ANY ($2::int8[])
+ORDER BY f.event_seq, f.failed_at, f.id
+LIMIT $3::int8";
+
+/// The event with this id. Parameter: `$1 text` the id. Columns: every column of
+/// `pgbus.events` the claim reads (`seq`, `id`, `event_name`, `event_version`, `source`,
+/// `aggregate_type`, `aggregate_id`, `correlation_id`, `causation_id`, `occurred_at`,
+/// `payload`, `headers`, `created_at`, `ordering_key`); no row when there is none.
+///
+/// One probe of `events_id_key`.
+pub const EVENT_BY_ID: &str = "\
+SELECT e.seq, e.id, e.event_name, e.event_version, e.source, e.aggregate_type,
+       e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
+       e.headers, e.created_at, e.ordering_key
+FROM pgbus.events AS e
+WHERE e.id = $1::text";
+
+/// The events of one correlation id, oldest first. Parameters: `$1 text` the
+/// correlation id, `$2 int8` the most rows returned. Columns as [`EVENT_BY_ID`].
+///
+/// The log has no index on `correlation_id`: this reads the whole log (a parallel
+/// sequential scan; BENCHMARKS.md, "Dashboard queries").
+pub const EVENTS_BY_CORRELATION: &str = "\
+SELECT e.seq, e.id, e.event_name, e.event_version, e.source, e.aggregate_type,
+       e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
+       e.headers, e.created_at, e.ordering_key
+FROM pgbus.events AS e
+WHERE e.correlation_id = $1::text
+ORDER BY e.seq
+LIMIT $2::int8";
+
+/// Where one event's delivery stands in each subscription that has it or matches it.
+/// Parameter: `$1 int8` the event's seq.
+///
+/// Columns: `subscription`; `status`, the delivery's (`pending`, `processing`, `dead`),
+/// or `done` when the subscription matches the event, existed when it was published and
+/// has no delivery of it any more (completed, or purged); `attempts`, `available_at`,
+/// `locked_by`, `last_error` (NULL when done); `ordering_key` and `is_head`, for ordered
+/// subscriptions.
+///
+/// The deliveries through the primary key, one probe per subscription that has
+/// deliveries (a skip scan of the primary key finds them, as the retention sweep does;
+/// there is no index on `event_seq` alone), the matching subscriptions through the
+/// pattern index.
+pub const EVENT_DELIVERIES: &str = "\
+WITH RECURSIVE subs AS (
+  (SELECT d.subscription FROM pgbus.deliveries AS d ORDER BY d.subscription LIMIT 1)
+  UNION ALL
+  SELECT (SELECT d.subscription FROM pgbus.deliveries AS d
+          WHERE d.subscription > subs.subscription
+          ORDER BY d.subscription LIMIT 1)
+  FROM subs WHERE subs.subscription IS NOT NULL
+),
+e AS (
+  SELECT seq, event_name, created_at FROM pgbus.events WHERE seq = $1::int8
+),
+matched AS (
+  SELECT m.subscription FROM e
+  CROSS JOIN LATERAL pgbus.subscriptions_matching(e.event_name) AS m
+  JOIN pgbus.subscriptions AS s ON s.name = m.subscription
+  WHERE e.created_at >= s.created_at
+)
+SELECT coalesce(d.subscription, matched.subscription) AS subscription,
+       coalesce(d.status, 'done') AS status, d.attempts, d.available_at, d.locked_by,
+       d.last_error, d.ordering_key, d.is_head
+FROM (SELECT d.* FROM subs
+      JOIN pgbus.deliveries AS d
+        ON d.subscription = subs.subscription AND d.event_seq = $1::int8) AS d
+FULL JOIN matched ON matched.subscription = d.subscription
+ORDER BY 1";
+
 /// Publishes events ([`publish`](crate::publish()), [`publish_batch`](crate::publish_batch()),
 /// and `pgbus::sqlx`'s): a call of `pgbus.publish_batch` (migration 11), whose statement
 /// PL/pgSQL plans once per connection, so that this call can be sent unnamed (pooler-safe)
@@ -652,4 +796,10 @@ pub const ALL: &[(&str, &str)] = &[
     ("PUBLISH_BATCH", PUBLISH_BATCH),
     ("PUBLISH_EVENT", PUBLISH_EVENT),
     ("CLAIM_CALL", CLAIM_CALL),
+    ("CONSUMERS_LIST", CONSUMERS_LIST),
+    ("DELIVERED_RECENTLY", DELIVERED_RECENTLY),
+    ("FAILURE_HISTORY", FAILURE_HISTORY),
+    ("EVENT_BY_ID", EVENT_BY_ID),
+    ("EVENTS_BY_CORRELATION", EVENTS_BY_CORRELATION),
+    ("EVENT_DELIVERIES", EVENT_DELIVERIES),
 ];

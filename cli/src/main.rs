@@ -69,6 +69,8 @@ enum Command {
     Sweep(cli::admin::SweepArgs),
     /// Serve every subscription's backlog gauges at /metrics (Prometheus text format).
     Metrics(cli::metrics::MetricsArgs),
+    /// Serve a web dashboard: backlogs, dead letters, blocked keys, events, consumers.
+    Ui(cli::ui::UiArgs),
     /// Run producers and handlers on a throwaway PostgreSQL, with a live view.
     Demo(cli::demo::DemoArgs),
     /// Run a benchmark workload and print its figures.
@@ -103,6 +105,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Subscriptions(command) => cli::admin::subscriptions(command, url).await,
         Command::Sweep(args) => cli::admin::sweep(args, url).await,
         Command::Metrics(args) => cli::metrics::run(args, url).await,
+        Command::Ui(args) => cli::ui::run(args, url).await,
         Command::Demo(args) => cli::demo::run(args, url).await,
         Command::Bench(args) => {
             if let Some(addr) = args.metrics_addr {

@@ -32,6 +32,7 @@ async fn a_missing_or_malformed_database_url_is_one_line_naming_it_with_exit_2()
         &["replay", "-s", "a", "--since", "1h"],
         &["subscriptions", "list"],
         &["sweep"],
+        &["ui"],
     ];
     let urls = [
         None,
@@ -94,6 +95,7 @@ async fn unknown_arguments_are_refused_with_exit_2_and_every_command_has_example
         &["keys", "skip"],
         &["sweep"],
         &["metrics"],
+        &["ui"],
         &["demo"],
     ] {
         let mut args = args.to_vec();

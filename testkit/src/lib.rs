@@ -42,7 +42,8 @@
 //! - [`tls`]: a PostgreSQL server that accepts TCP connections over TLS only, with its
 //!   certificates; [`pgbouncer`]: PgBouncer in transaction mode, configured so that
 //!   whatever a client leaves on a server connection is gone at the next transaction;
-//!   [`nats`]: a NATS server with JetStream, on a free port with a store of its own.
+//!   [`nats`]: a NATS server with JetStream, on a free port with a store of its own;
+//!   [`browser`]: a headless Chromium driven through chromedriver (WebDriver).
 //! - [`bench`](mod@bench): databases and data for benchmarks (pgbus's criterion benches and `pgbus
 //!   bench`).
 //!
@@ -55,6 +56,8 @@
 
 #[cfg(unix)]
 pub mod bench;
+#[cfg(unix)]
+pub mod browser;
 #[cfg(unix)]
 pub mod embedded;
 #[cfg(unix)]
@@ -163,6 +166,35 @@ pub enum FixtureError {
         /// How long the fixture waited.
         waited: std::time::Duration,
         /// The last connection's error, or what the server sent.
+        last_error: String,
+        /// The end of its log.
+        log: String,
+    },
+    /// No `chromium` or no `chromedriver` program was found.
+    #[error(
+        "{program} was not found on PATH or at {fallback}; install Chromium and its driver \
+         (Debian: `apt-get install chromium chromium-driver`; .ci/run does)"
+    )]
+    BrowserNotFound {
+        /// The program missing.
+        program: &'static str,
+        /// Where Debian installs it.
+        fallback: &'static str,
+    },
+    /// chromedriver ended before it was ready.
+    #[error("chromedriver exited at start ({status}); its log:\n{log}")]
+    ChromedriverExited {
+        /// How it ended.
+        status: std::process::ExitStatus,
+        /// The end of its log.
+        log: String,
+    },
+    /// chromedriver did not report itself ready within the time allowed.
+    #[error("chromedriver was not ready within {waited:?} ({last_error}); its log:\n{log}")]
+    ChromedriverNotReady {
+        /// How long the fixture waited.
+        waited: std::time::Duration,
+        /// The last request's error, or what it answered.
         last_error: String,
         /// The end of its log.
         log: String,

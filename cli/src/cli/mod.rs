@@ -14,6 +14,7 @@ pub(crate) mod keys;
 pub(crate) mod metrics;
 pub(crate) mod publish;
 pub(crate) mod status;
+pub(crate) mod ui;
 
 use std::time::Duration;
 

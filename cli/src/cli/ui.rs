@@ -1,0 +1,1161 @@
+//! `pgbus ui`: the web dashboard. An axum server on the command's tokio runtime, pages
+//! rendered on the server (maud, which escapes everything it is given) with a little plain
+//! JavaScript (`ui/app.js`, served as a static file) that polls the JSON endpoints under
+//! `/api/` and updates the pages with `textContent`.
+//!
+//! Every read is an admin function of the library (`pgbus::admin`, `pgbus::ordering`);
+//! a sampler task reads the overview every `--interval` and keeps the last minutes for
+//! the charts.
+//!
+//! Security: read-only unless `--allow-actions`; an action is a POST that must carry the
+//! per-process CSRF token both in its `SameSite=Strict; HttpOnly` cookie and in its form,
+//! and whose `Origin` (or `Referer`), when sent, must name the host it was sent to.
+//! `PGBUS_UI_PASSWORD` turns on HTTP basic auth for every request (any user name).
+//! Every answer forbids framing, sniffing and inline scripts (`Content-Security-Policy`).
+
+mod pages;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Form, Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use chrono::{DateTime, Utc};
+use futures::FutureExt as _;
+use serde::{Deserialize, Serialize};
+
+use super::{Failure, failed, human_duration, parse_duration, usage, with_sources};
+use pgbus::admin::{self, DeadLetterFilter};
+
+/// How long the charts look back, in samples: 5 minutes at the default interval.
+const HISTORY_SAMPLES: usize = 300;
+
+/// The window over which the throughput (delivered per second) is measured.
+const THROUGHPUT_WINDOW: Duration = Duration::from_secs(10);
+
+/// The most events of the window the throughput reads (beyond, it is a lower bound).
+const THROUGHPUT_EVENTS: i64 = 10_000;
+
+/// How many dead letters a subscription's page lists.
+const DEAD_LETTERS_SHOWN: i64 = 50;
+
+/// How many failed attempts a subscription's page shows in all.
+const FAILURES_SHOWN: i64 = 2000;
+
+/// How many events a search shows.
+const EVENTS_SHOWN: i64 = 20;
+
+/// How long the oldest due delivery may wait before a subscription counts as behind.
+const BEHIND_AFTER: f64 = 30.0;
+
+/// The connections the dashboard holds at most.
+const POOL_SIZE: usize = 4;
+
+/// The JavaScript of the pages.
+const APP_JS: &str = include_str!("ui/app.js");
+
+/// The style sheet of the pages.
+const STYLE_CSS: &str = include_str!("ui/style.css");
+
+/// The name of the CSRF cookie.
+const CSRF_COOKIE: &str = "pgbus_csrf";
+
+/// Arguments of `pgbus ui`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "\
+Examples:
+  pgbus ui
+  pgbus ui --listen 127.0.0.1:8080 --allow-actions
+  PGBUS_UI_PASSWORD=secret pgbus ui --listen 0.0.0.0:8080
+
+Serves a dashboard of the database in DATABASE_URL: every subscription's backlog, dead
+letters, blocked keys and throughput with live charts, the notification queue, the live
+consumers, and any event by id or correlation id. Every page's data is also served as
+JSON under /api/ (/api/overview, /api/subscriptions/NAME, /api/events?q=ID,
+/api/consumers).
+
+Read-only unless --allow-actions: then a subscription's page can retry and purge dead
+letters, redrive or skip a blocked key, and replay events since a time. Actions are
+POSTs that must carry the process's CSRF token (a SameSite=Strict cookie and a form
+field) and, when the browser sends one, an Origin naming the dashboard's host.
+PGBUS_UI_PASSWORD set: every request needs HTTP basic auth with that password (any user
+name). It listens on the loopback address unless told otherwise; put it behind TLS
+before listening elsewhere.
+
+A database that goes away shows as an error banner; the dashboard keeps serving and
+reads again at the next interval. Stops on SIGINT, SIGTERM or SIGHUP with exit 0. Exit
+codes: 1 the database cannot be reached at start or the address cannot be bound; 2 bad
+usage (a malformed address or interval, an empty PGBUS_UI_PASSWORD).")]
+pub(crate) struct UiArgs {
+    /// Serve the dashboard on this address, an IP and a port.
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:8080",
+          value_parser = super::metrics::parse_addr)]
+    listen: SocketAddr,
+    /// Allow the actions (retry, purge, redrive, skip, replay); read-only without.
+    #[arg(long)]
+    allow_actions: bool,
+    /// How often the overview is sampled from the database (the charts' resolution).
+    #[arg(long, default_value = "2s", value_parser = parse_interval)]
+    interval: Duration,
+}
+
+/// Parses `--interval`: a duration of at least 100ms.
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    let interval = parse_duration(text)?;
+    if interval < Duration::from_millis(100) {
+        return Err(format!(
+            "--interval must be at least 100ms, got {}",
+            human_duration(interval)
+        ));
+    }
+    Ok(interval)
+}
+
+/// Opens the pool's connections with the command line's configuration (TLS included).
+struct Opener(pgbus::ConnectConfig);
+
+impl deadpool_postgres::Connect for Opener {
+    fn connect(
+        &self,
+        _: &tokio_postgres::Config,
+    ) -> futures::future::BoxFuture<
+        '_,
+        Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), tokio_postgres::Error>,
+    > {
+        async move {
+            let (client, mut messages) = match self.0.connect_with_messages().await {
+                Ok(c) => c,
+                Err(pgbus::Error::Database(e) | pgbus::Error::SchemaMissing(e)) => return Err(e),
+                Err(e) => {
+                    // Only the driver's errors come out of a connection attempt; anything
+                    // else is logged and reported as a failed connection.
+                    tracing::warn!(error = %with_sources(&e), "pgbus ui cannot connect");
+                    return Err(connect_error().await);
+                }
+            };
+            let driver = tokio::spawn(async move {
+                use futures::StreamExt as _;
+                while let Some(m) = messages.next().await {
+                    if m.is_err() {
+                        return;
+                    }
+                }
+            });
+            Ok((client, driver))
+        }
+        .boxed()
+    }
+}
+
+/// A `tokio_postgres::Error` of a failed connection: that of a configuration without a
+/// host, which fails before any I/O.
+async fn connect_error() -> tokio_postgres::Error {
+    match tokio_postgres::Config::new()
+        .connect(tokio_postgres::NoTls)
+        .await
+    {
+        Err(e) => e,
+        Ok(_) => unreachable!("a configuration without a host cannot connect"),
+    }
+}
+
+/// One subscription's row of the overview.
+#[derive(Debug, Clone, Serialize)]
+struct SubscriptionRow {
+    name: String,
+    due: i64,
+    scheduled: i64,
+    processing: i64,
+    dead: i64,
+    blocked_keys: i64,
+    /// Seconds.
+    oldest_due_age: Option<f64>,
+    consumers_awake: i64,
+    consumers_asleep: i64,
+    delivered_per_second: f64,
+    /// The throughput is a lower bound: the window held more events than were read.
+    throughput_capped: bool,
+    /// `healthy`, `behind` or `failing`.
+    health: &'static str,
+    /// The chart: the last minutes' samples, oldest first.
+    history: Vec<Point>,
+}
+
+/// One sample of a subscription's chart.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Point {
+    /// Milliseconds since the epoch.
+    at: i64,
+    delivered_per_second: f64,
+    /// Due, scheduled and processing deliveries.
+    backlog: i64,
+}
+
+/// The overview, as `/api/overview` serves it.
+#[derive(Debug, Clone, Serialize)]
+struct Overview {
+    /// When the last good sample was read (`None`: never).
+    sampled_at: Option<DateTime<Utc>>,
+    /// Why the last sample failed, when it did.
+    error: Option<String>,
+    /// The most any count shows (a count at the cap means "at least").
+    count_cap: i64,
+    notification_queue_usage: f64,
+    listeners: i64,
+    consumers: i64,
+    sleeping_consumers: i64,
+    subscriptions: Vec<SubscriptionRow>,
+}
+
+/// What the sampler keeps.
+#[derive(Debug, Default)]
+struct Samples {
+    overview: Option<Overview>,
+    error: Option<String>,
+    history: HashMap<String, VecDeque<Point>>,
+}
+
+/// The dashboard's state, shared by every request.
+struct App {
+    pool: deadpool_postgres::Pool,
+    /// On a loopback address: the `Host` values accepted (`127.0.0.1:PORT`,
+    /// `localhost:PORT`, `[::1]:PORT`), which keeps a page of another site whose name was
+    /// made to resolve to the loopback address (DNS rebinding) from reading the
+    /// dashboard. `None`: any host (an address others reach by names of their own).
+    hosts: Option<Vec<String>>,
+    csrf: String,
+    allow_actions: bool,
+    password: Option<String>,
+    samples: Mutex<Samples>,
+}
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("allow_actions", &self.allow_actions)
+            .field("password", &self.password.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+type Shared = Arc<App>;
+
+/// An error of a request: the database's (503, the page shows a banner) or the request's.
+#[derive(Debug)]
+enum UiError {
+    Database(String),
+    NotFound(String),
+    BadRequest(String),
+    Forbidden(String),
+}
+
+impl From<pgbus::Error> for UiError {
+    fn from(e: pgbus::Error) -> Self {
+        match e {
+            pgbus::Error::UnknownSubscription { name } => {
+                UiError::NotFound(format!("no subscription {name:?}"))
+            }
+            pgbus::Error::Invalid { what, reason } => {
+                UiError::BadRequest(format!("{what}: {reason}"))
+            }
+            e => UiError::Database(with_sources(&e)),
+        }
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for UiError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        UiError::Database(format!("cannot reach the database: {}", with_sources(&e)))
+    }
+}
+
+impl UiError {
+    fn status(&self) -> StatusCode {
+        match self {
+            UiError::Database(_) => StatusCode::SERVICE_UNAVAILABLE,
+            UiError::NotFound(_) => StatusCode::NOT_FOUND,
+            UiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            UiError::Forbidden(_) => StatusCode::FORBIDDEN,
+        }
+    }
+
+    fn message(&self) -> &str {
+        match self {
+            UiError::Database(m)
+            | UiError::NotFound(m)
+            | UiError::BadRequest(m)
+            | UiError::Forbidden(m) => m,
+        }
+    }
+
+    /// As a page.
+    fn page(self, app: &App) -> Response {
+        let status = self.status();
+        let page = pages::error_page(app.allow_actions, status, self.message());
+        (status, html(page)).into_response()
+    }
+
+    /// As JSON: `{"error": "..."}`.
+    fn json(self) -> Response {
+        let body = serde_json::json!({ "error": self.message() });
+        (self.status(), axum::Json(body)).into_response()
+    }
+}
+
+/// A page's HTML.
+fn html(markup: maud::Markup) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        markup.into_string(),
+    )
+        .into_response()
+}
+
+/// `pgbus ui`.
+pub(crate) async fn run(args: UiArgs, url: Option<&str>) -> Result<(), Failure> {
+    let password = match std::env::var("PGBUS_UI_PASSWORD") {
+        Ok(p) if p.is_empty() => {
+            return Err(usage(
+                "error: PGBUS_UI_PASSWORD is empty: set a password, or unset it for no \
+                 authentication",
+            ));
+        }
+        Ok(p) => Some(p),
+        Err(std::env::VarError::NotPresent) => None,
+        Err(std::env::VarError::NotUnicode(_)) => {
+            return Err(usage("error: PGBUS_UI_PASSWORD is not valid UTF-8"));
+        }
+    };
+    let mut config = super::database_config(url)?;
+    let pg = config.pg_config_mut();
+    if pg.get_application_name() == Some("pgbus cli") {
+        pg.application_name("pgbus ui");
+    }
+    let signals = super::shutdown_signal()?;
+    // Reachable at start, as the other commands require.
+    drop(super::connect(&config).await?);
+    let manager = deadpool_postgres::Manager::from_connect(
+        config.pg_config().clone(),
+        Opener(config),
+        deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        },
+    );
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(POOL_SIZE)
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .wait_timeout(Some(Duration::from_secs(10)))
+        .create_timeout(Some(Duration::from_secs(10)))
+        .recycle_timeout(Some(Duration::from_secs(5)))
+        .build()
+        .map_err(|e| failed(format!("error: cannot set up the connection pool: {e}")))?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| failed(format!("error: cannot listen on {}: {e}", args.listen)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| failed(format!("error: cannot listen on {}: {e}", args.listen)))?;
+    let hosts = addr.ip().is_loopback().then(|| {
+        let port = addr.port();
+        vec![
+            format!("127.0.0.1:{port}"),
+            format!("localhost:{port}"),
+            format!("[::1]:{port}"),
+        ]
+    });
+    let app = Arc::new(App {
+        pool,
+        hosts,
+        csrf: csrf_token()?,
+        allow_actions: args.allow_actions,
+        password,
+        samples: Mutex::new(Samples::default()),
+    });
+    sample(&app).await;
+    let sampler = tokio::spawn(sampler(app.clone(), args.interval));
+    eprintln!(
+        "pgbus: dashboard on http://{addr}/ ({}{}); stop with Ctrl-C or SIGTERM",
+        if app.allow_actions {
+            "actions allowed"
+        } else {
+            "read-only"
+        },
+        if app.password.is_some() {
+            ", basic auth"
+        } else {
+            ""
+        },
+    );
+    let served = axum::serve(listener, router(app))
+        .with_graceful_shutdown(signals)
+        .await;
+    sampler.abort();
+    served.map_err(|e| failed(format!("error: the dashboard stopped: {e}")))
+}
+
+/// A new random token of 32 bytes, in hex.
+fn csrf_token() -> Result<String, Failure> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes)
+        .map_err(|e| failed(format!("error: no random numbers for the CSRF token: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Every route, behind the security layer.
+fn router(app: Shared) -> Router {
+    Router::new()
+        .route("/", get(overview_page))
+        .route("/subscriptions/{name}", get(subscription_page))
+        .route("/events", get(events_page))
+        .route("/consumers", get(consumers_page))
+        .route("/api/overview", get(overview_api))
+        .route("/api/subscriptions/{name}", get(subscription_api))
+        .route("/api/events", get(events_api))
+        .route("/api/consumers", get(consumers_api))
+        .route("/static/app.js", get(app_js))
+        .route("/static/style.css", get(style_css))
+        .route("/subscriptions/{name}/retry", post(retry_action))
+        .route("/subscriptions/{name}/purge", post(purge_action))
+        .route("/subscriptions/{name}/replay", post(replay_action))
+        .route("/subscriptions/{name}/keys/redrive", post(redrive_action))
+        .route("/subscriptions/{name}/keys/skip", post(skip_action))
+        .layer(middleware::from_fn_with_state(app.clone(), guard))
+        .with_state(app)
+}
+
+/// The security layer: basic auth when a password is set, the CSRF checks of every POST,
+/// and the headers of every answer.
+async fn guard(State(app): State<Shared>, request: Request, next: Next) -> Response {
+    let mut response = if let Some(password) = &app.password
+        && !authorized(request.headers(), password)
+    {
+        (
+            StatusCode::UNAUTHORIZED,
+            [(
+                header::WWW_AUTHENTICATE,
+                "Basic realm=\"pgbus\", charset=\"UTF-8\"",
+            )],
+            "authentication required\n",
+        )
+            .into_response()
+    } else if let Some(hosts) = &app.hosts
+        && !request
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .is_some_and(|h| hosts.iter().any(|a| a.eq_ignore_ascii_case(h)))
+    {
+        (
+            StatusCode::MISDIRECTED_REQUEST,
+            "this dashboard answers only to its loopback address\n",
+        )
+            .into_response()
+    } else if request.method() == axum::http::Method::POST {
+        if !app.allow_actions {
+            UiError::Forbidden("actions are disabled: start pgbus ui with --allow-actions".into())
+                .page(&app)
+        } else if let Err(reason) = same_origin(request.headers()) {
+            UiError::Forbidden(reason).page(&app)
+        } else if !cookie_matches(request.headers(), &app.csrf) {
+            UiError::Forbidden("the CSRF cookie is missing or wrong: reload the page".into())
+                .page(&app)
+        } else {
+            // The form's token is checked by each action, which reads the form.
+            next.run(request).await
+        }
+    } else {
+        next.run(request).await
+    };
+    let headers = response.headers_mut();
+    let set = |headers: &mut HeaderMap, name, value: &'static str| {
+        headers.insert(name, HeaderValue::from_static(value));
+    };
+    set(
+        headers,
+        header::CONTENT_SECURITY_POLICY,
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; \
+         object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    );
+    set(headers, header::X_CONTENT_TYPE_OPTIONS, "nosniff");
+    set(headers, header::X_FRAME_OPTIONS, "DENY");
+    set(headers, header::REFERRER_POLICY, "same-origin");
+    set(headers, header::CACHE_CONTROL, "no-store");
+    if let Ok(cookie) = HeaderValue::from_str(&format!(
+        "{CSRF_COOKIE}={}; Path=/; SameSite=Strict; HttpOnly",
+        app.csrf
+    )) {
+        headers.insert(header::SET_COOKIE, cookie);
+    }
+    response
+}
+
+/// Whether `a` and `b` are equal, in a time that depends on their lengths only.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= usize::from(x ^ y);
+    }
+    diff == 0
+}
+
+/// Whether the request carries basic auth with this password (any user name).
+fn authorized(headers: &HeaderMap, password: &str) -> bool {
+    use base64::Engine as _;
+    let Some(value) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some(encoded) = value
+        .strip_prefix("Basic ")
+        .or_else(|| value.strip_prefix("basic "))
+    else {
+        return false;
+    };
+    let Ok(decoded) = base64::engine::general_purpose::STANDARD.decode(encoded.trim()) else {
+        return false;
+    };
+    let Some(colon) = decoded.iter().position(|&b| b == b':') else {
+        return false;
+    };
+    constant_time_eq(&decoded[colon + 1..], password.as_bytes())
+}
+
+/// Checks that a POST's `Origin` (or, without one, its `Referer`), when sent, names the
+/// host it was sent to.
+fn same_origin(headers: &HeaderMap) -> Result<(), String> {
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .ok_or("the request names no host")?;
+    let expected = format!("http://{host}");
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let origin = origin.to_str().unwrap_or_default();
+        return if origin == expected {
+            Ok(())
+        } else {
+            Err(format!(
+                "cross-site request refused: origin {origin:?} is not {expected:?}"
+            ))
+        };
+    }
+    if let Some(referer) = headers.get(header::REFERER) {
+        let referer = referer.to_str().unwrap_or_default();
+        let same = referer
+            .strip_prefix(&expected)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+        return if same {
+            Ok(())
+        } else {
+            Err("cross-site request refused: the referer is another site".into())
+        };
+    }
+    Ok(())
+}
+
+/// Whether the request's CSRF cookie holds the token.
+fn cookie_matches(headers: &HeaderMap, token: &str) -> bool {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .any(|(name, value)| {
+            name == CSRF_COOKIE && constant_time_eq(value.as_bytes(), token.as_bytes())
+        })
+}
+
+/// Samples the overview every `interval`, for ever.
+async fn sampler(app: Shared, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        sample(&app).await;
+    }
+}
+
+/// Reads the overview once and records it (or the error).
+async fn sample(app: &App) {
+    match read_overview(app).await {
+        Ok(mut overview) => {
+            let mut samples = app.samples.lock().unwrap_or_else(|e| e.into_inner());
+            let now = overview
+                .sampled_at
+                .unwrap_or_else(Utc::now)
+                .timestamp_millis();
+            let names: std::collections::HashSet<&str> = overview
+                .subscriptions
+                .iter()
+                .map(|s| s.name.as_str())
+                .collect();
+            samples
+                .history
+                .retain(|name, _| names.contains(name.as_str()));
+            for sub in &mut overview.subscriptions {
+                let history = samples.history.entry(sub.name.clone()).or_default();
+                history.push_back(Point {
+                    at: now,
+                    delivered_per_second: sub.delivered_per_second,
+                    backlog: sub.due + sub.scheduled + sub.processing,
+                });
+                while history.len() > HISTORY_SAMPLES {
+                    history.pop_front();
+                }
+                sub.history = history.iter().copied().collect();
+            }
+            samples.overview = Some(overview);
+            samples.error = None;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e.message(), "pgbus ui could not sample the overview");
+            let mut samples = app.samples.lock().unwrap_or_else(|e| e.into_inner());
+            samples.error = Some(e.message().to_string());
+        }
+    }
+}
+
+/// Reads the overview's figures: the backlog gauges' statement (bounded counts), the
+/// throughput over the last window, the notification machinery and the consumers.
+async fn read_overview(app: &App) -> Result<Overview, UiError> {
+    let client = app.pool.get().await?;
+    let client: &tokio_postgres::Client = &client;
+    let backlog = admin::backlog(client, None).await?;
+    let recent = admin::delivered_recently(client, THROUGHPUT_WINDOW, THROUGHPUT_EVENTS).await?;
+    let delivered: HashMap<String, i64> = recent.delivered.into_iter().collect();
+    let cluster = admin::cluster_status(client).await?;
+    let consumers = admin::consumers(client).await?;
+    let subscriptions = backlog
+        .into_iter()
+        .map(|b| {
+            let serving = consumers
+                .iter()
+                .filter(|c| c.subscriptions.contains(&b.subscription));
+            let (awake, asleep) =
+                serving.fold(
+                    (0, 0),
+                    |(w, s), c| {
+                        if c.awake { (w + 1, s) } else { (w, s + 1) }
+                    },
+                );
+            let delivered_per_second = delivered.get(&b.subscription).copied().unwrap_or(0) as f64
+                / THROUGHPUT_WINDOW.as_secs_f64();
+            let health = if b.dead > 0 || b.blocked_keys > 0 {
+                "failing"
+            } else if b.oldest_due_age.is_some_and(|a| a > BEHIND_AFTER)
+                || (b.due > 0 && awake + asleep == 0)
+            {
+                "behind"
+            } else {
+                "healthy"
+            };
+            SubscriptionRow {
+                name: b.subscription,
+                due: b.due,
+                scheduled: b.scheduled,
+                processing: b.processing,
+                dead: b.dead,
+                blocked_keys: b.blocked_keys,
+                oldest_due_age: b.oldest_due_age,
+                consumers_awake: awake,
+                consumers_asleep: asleep,
+                delivered_per_second,
+                throughput_capped: recent.capped,
+                health,
+                history: Vec::new(),
+            }
+        })
+        .collect();
+    Ok(Overview {
+        sampled_at: Some(Utc::now()),
+        error: None,
+        count_cap: pgbus::metrics::GAUGE_COUNT_CAP,
+        notification_queue_usage: cluster.notification_queue_usage,
+        listeners: cluster.listeners,
+        consumers: cluster.consumers,
+        sleeping_consumers: cluster.sleeping_consumers,
+        subscriptions,
+    })
+}
+
+/// The last sample, with the last error when the latest failed.
+fn current_overview(app: &App) -> Overview {
+    let samples = app.samples.lock().unwrap_or_else(|e| e.into_inner());
+    let mut overview = samples.overview.clone().unwrap_or(Overview {
+        sampled_at: None,
+        error: None,
+        count_cap: pgbus::metrics::GAUGE_COUNT_CAP,
+        notification_queue_usage: 0.0,
+        listeners: 0,
+        consumers: 0,
+        sleeping_consumers: 0,
+        subscriptions: Vec::new(),
+    });
+    overview.error = samples.error.clone();
+    overview
+}
+
+async fn overview_page(State(app): State<Shared>) -> Response {
+    html(pages::overview(app.allow_actions, &current_overview(&app)))
+}
+
+async fn overview_api(State(app): State<Shared>) -> Response {
+    axum::Json(current_overview(&app)).into_response()
+}
+
+/// A dead letter with its failure history.
+#[derive(Debug, Serialize)]
+struct DeadLetterView {
+    #[serde(flatten)]
+    dead: admin::DeadLetter,
+    failures: Vec<admin::FailedAttempt>,
+}
+
+/// A subscription's page's data, as `/api/subscriptions/NAME` serves it.
+#[derive(Debug, Serialize)]
+struct SubscriptionView {
+    name: String,
+    settings: admin::SubscriptionSettings,
+    backlog: Option<pgbus::metrics::Backlog>,
+    count_cap: i64,
+    dead_letters: Vec<DeadLetterView>,
+    dead_letters_total: i64,
+    blocked_keys: Vec<pgbus::ordering::BlockedKey>,
+    consumers: Vec<admin::ConsumerInfo>,
+}
+
+async fn read_subscription(app: &App, name: &str) -> Result<SubscriptionView, UiError> {
+    let client = app.pool.get().await?;
+    let client: &tokio_postgres::Client = &client;
+    let settings = admin::subscription_settings(client, name)
+        .await?
+        .ok_or_else(|| UiError::NotFound(format!("no subscription {name:?}")))?;
+    let backlog = admin::backlog(client, Some(&[name])).await?.pop();
+    let filter = DeadLetterFilter::all().subscription(name);
+    let dead = admin::dead_letters(client, &filter, DEAD_LETTERS_SHOWN).await?;
+    let seqs: Vec<i64> = dead.iter().map(|d| d.event_seq).collect();
+    let mut failures = admin::failure_history(client, name, &seqs, FAILURES_SHOWN).await?;
+    let dead_letters_total = backlog.as_ref().map_or(0, |b| b.dead);
+    let dead_letters = dead
+        .into_iter()
+        .map(|dead| {
+            let (mine, rest) = failures
+                .drain(..)
+                .partition(|f| f.event_seq == dead.event_seq);
+            failures = rest;
+            DeadLetterView {
+                dead,
+                failures: mine,
+            }
+        })
+        .collect();
+    let blocked_keys = pgbus::ordering::blocked_keys(client, Some(name)).await?;
+    let consumers = admin::consumers(client)
+        .await?
+        .into_iter()
+        .filter(|c| c.subscriptions.iter().any(|s| s == name))
+        .collect();
+    Ok(SubscriptionView {
+        name: name.to_string(),
+        settings,
+        backlog,
+        count_cap: pgbus::metrics::GAUGE_COUNT_CAP,
+        dead_letters,
+        dead_letters_total,
+        blocked_keys,
+        consumers,
+    })
+}
+
+/// What a page's address may say after an action.
+#[derive(Debug, Deserialize)]
+struct Flash {
+    done: Option<String>,
+}
+
+async fn subscription_page(
+    State(app): State<Shared>,
+    Path(name): Path<String>,
+    Query(flash): Query<Flash>,
+) -> Response {
+    match read_subscription(&app, &name).await {
+        Ok(view) => html(pages::subscription(
+            app.allow_actions,
+            &app.csrf,
+            &view,
+            flash.done.as_deref(),
+        )),
+        Err(e) => e.page(&app),
+    }
+}
+
+async fn subscription_api(State(app): State<Shared>, Path(name): Path<String>) -> Response {
+    match read_subscription(&app, &name).await {
+        Ok(view) => axum::Json(view).into_response(),
+        Err(e) => e.json(),
+    }
+}
+
+/// An event and where its delivery stands in each subscription.
+#[derive(Debug, Serialize)]
+struct EventView {
+    event: pgbus::Event,
+    deliveries: Vec<DeliveryView>,
+}
+
+/// Where an event's delivery stands in one subscription, with its failures.
+#[derive(Debug, Serialize)]
+struct DeliveryView {
+    #[serde(flatten)]
+    delivery: admin::EventDelivery,
+    failures: Vec<admin::FailedAttempt>,
+}
+
+/// The search of the events page.
+#[derive(Debug, Deserialize)]
+struct Search {
+    q: Option<String>,
+}
+
+async fn read_events(app: &App, q: &str) -> Result<Vec<EventView>, UiError> {
+    let client = app.pool.get().await?;
+    let client: &tokio_postgres::Client = &client;
+    let mut out = Vec::new();
+    for event in admin::find_events(client, q, EVENTS_SHOWN).await? {
+        let seq = event.seq.unwrap_or_default();
+        let mut deliveries = Vec::new();
+        for delivery in admin::event_deliveries(client, seq).await? {
+            let failures =
+                admin::failure_history(client, &delivery.subscription, &[seq], FAILURES_SHOWN)
+                    .await?;
+            deliveries.push(DeliveryView { delivery, failures });
+        }
+        out.push(EventView { event, deliveries });
+    }
+    Ok(out)
+}
+
+async fn events_page(State(app): State<Shared>, Query(search): Query<Search>) -> Response {
+    let q = search.q.as_deref().map(str::trim).filter(|q| !q.is_empty());
+    let events = match q {
+        Some(q) => match read_events(&app, q).await {
+            Ok(events) => Some(events),
+            Err(e) => return e.page(&app),
+        },
+        None => None,
+    };
+    html(pages::events(app.allow_actions, q, events.as_deref()))
+}
+
+async fn events_api(State(app): State<Shared>, Query(search): Query<Search>) -> Response {
+    let Some(q) = search.q.as_deref().map(str::trim).filter(|q| !q.is_empty()) else {
+        return UiError::BadRequest("give an event id or correlation id as ?q=".into()).json();
+    };
+    match read_events(&app, q).await {
+        Ok(events) => axum::Json(serde_json::json!({ "events": events })).into_response(),
+        Err(e) => e.json(),
+    }
+}
+
+async fn read_consumers(app: &App) -> Result<Vec<admin::ConsumerInfo>, UiError> {
+    let client = app.pool.get().await?;
+    Ok(admin::consumers(&**client).await?)
+}
+
+async fn consumers_page(State(app): State<Shared>) -> Response {
+    match read_consumers(&app).await {
+        Ok(consumers) => html(pages::consumers(app.allow_actions, &consumers)),
+        Err(e) => e.page(&app),
+    }
+}
+
+async fn consumers_api(State(app): State<Shared>) -> Response {
+    match read_consumers(&app).await {
+        Ok(consumers) => axum::Json(serde_json::json!({ "consumers": consumers })).into_response(),
+        Err(e) => e.json(),
+    }
+}
+
+async fn app_js() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        APP_JS,
+    )
+        .into_response()
+}
+
+async fn style_css() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        STYLE_CSS,
+    )
+        .into_response()
+}
+
+/// The form of every action: the CSRF token and what the action needs.
+#[derive(Debug, Deserialize)]
+struct ActionForm {
+    /// The CSRF token (absent: empty, refused).
+    #[serde(default)]
+    csrf: String,
+    /// Retry: one dead letter, by its event's id (absent: every dead letter).
+    event_id: Option<String>,
+    /// Redrive and skip: the key.
+    key: Option<String>,
+    /// Replay: since when (RFC 3339, or the `datetime-local` form, read as UTC).
+    since: Option<String>,
+    /// Purge: must be `yes`.
+    confirm: Option<String>,
+}
+
+/// Checks the form's CSRF token, runs `action` and sends the browser back to the
+/// subscription's page with what it did.
+async fn act<F, Fut>(app: &App, name: &str, form: &ActionForm, action: F) -> Response
+where
+    F: FnOnce(deadpool_postgres::Object) -> Fut,
+    Fut: std::future::Future<Output = Result<String, UiError>>,
+{
+    if !constant_time_eq(form.csrf.as_bytes(), app.csrf.as_bytes()) {
+        return UiError::Forbidden("the CSRF token is missing or wrong: reload the page".into())
+            .page(app);
+    }
+    let client = match app.pool.get().await {
+        Ok(c) => c,
+        Err(e) => return UiError::from(e).page(app),
+    };
+    match action(client).await {
+        Ok(done) => {
+            let to = format!("/subscriptions/{}?done={}", percent(name), percent(&done));
+            Redirect::to(&to).into_response()
+        }
+        Err(e) => e.page(app),
+    }
+}
+
+/// Percent-encodes everything but unreserved characters, for a path segment or a query
+/// value.
+fn percent(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+async fn retry_action(
+    State(app): State<Shared>,
+    Path(name): Path<String>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    let event_id = form.event_id.clone().filter(|e| !e.is_empty());
+    let sub = name.clone();
+    act(&app, &name, &form, |client| async move {
+        let mut filter = DeadLetterFilter::all().subscription(sub);
+        if let Some(id) = &event_id {
+            filter = filter.event_id(id);
+        }
+        let n = admin::retry_dead_letters(&**client, &filter).await?;
+        Ok(format!("retried {n} dead letter{}", plural(n)))
+    })
+    .await
+}
+
+async fn purge_action(
+    State(app): State<Shared>,
+    Path(name): Path<String>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    if form.confirm.as_deref() != Some("yes") {
+        return UiError::BadRequest("purging needs its confirmation (confirm=yes)".into())
+            .page(&app);
+    }
+    let event_id = form.event_id.clone().filter(|e| !e.is_empty());
+    let sub = name.clone();
+    act(&app, &name, &form, |client| async move {
+        let mut filter = DeadLetterFilter::all().subscription(sub);
+        if let Some(id) = &event_id {
+            filter = filter.event_id(id);
+        }
+        let purged = admin::purge_dead_letters(&**client, &filter).await?;
+        Ok(format!(
+            "purged {} dead letter{}",
+            purged.dead_letters,
+            plural(purged.dead_letters)
+        ))
+    })
+    .await
+}
+
+async fn replay_action(
+    State(app): State<Shared>,
+    Path(name): Path<String>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    let since = match form.since.as_deref().map(parse_since) {
+        Some(Ok(since)) => since,
+        Some(Err(e)) => return UiError::BadRequest(e).page(&app),
+        None => return UiError::BadRequest("replay needs a time to start from".into()).page(&app),
+    };
+    let sub = name.clone();
+    act(&app, &name, &form, |client| async move {
+        let replayed = admin::replay(&**client, &sub, since, None, None).await?;
+        Ok(format!(
+            "replayed since {}: {} matched, {} deliveries created",
+            since.to_rfc3339(),
+            replayed.matched,
+            replayed.created
+        ))
+    })
+    .await
+}
+
+/// Reads a replay's start: RFC 3339, or a `datetime-local` field's value (UTC).
+fn parse_since(text: &str) -> Result<DateTime<Utc>, String> {
+    let text = text.trim();
+    if let Ok(at) = DateTime::parse_from_rfc3339(text) {
+        return Ok(at.with_timezone(&Utc));
+    }
+    for format in ["%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S"] {
+        if let Ok(at) = chrono::NaiveDateTime::parse_from_str(text, format) {
+            return Ok(at.and_utc());
+        }
+    }
+    Err(format!(
+        "invalid time {text:?}: give a UTC time such as 2025-01-31T12:00"
+    ))
+}
+
+async fn redrive_action(
+    State(app): State<Shared>,
+    Path(name): Path<String>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    let Some(key) = form.key.clone() else {
+        return UiError::BadRequest("redrive needs a key".into()).page(&app);
+    };
+    let sub = name.clone();
+    act(&app, &name, &form, |client| async move {
+        let done = pgbus::ordering::redrive_head(&**client, &sub, &key).await?;
+        Ok(if done {
+            format!("redrove the head of key {key}")
+        } else {
+            format!("key {key} has no head to redrive")
+        })
+    })
+    .await
+}
+
+async fn skip_action(
+    State(app): State<Shared>,
+    Path(name): Path<String>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    let Some(key) = form.key.clone() else {
+        return UiError::BadRequest("skip needs a key".into()).page(&app);
+    };
+    let sub = name.clone();
+    act(&app, &name, &form, |client| async move {
+        let done = pgbus::ordering::skip_head(&**client, &sub, &key).await?;
+        Ok(if done {
+            format!("skipped the dead head of key {key}")
+        } else {
+            format!("key {key} has no dead head to skip")
+        })
+    })
+    .await
+}
+
+fn plural(n: u64) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_bytes_compare_equal_and_others_not() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn basic_auth_takes_any_user_and_the_password() {
+        let mut headers = HeaderMap::new();
+        assert!(!authorized(&headers, "pw"));
+        // "anyone:pw"
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Basic YW55b25lOnB3"),
+        );
+        assert!(authorized(&headers, "pw"));
+        assert!(!authorized(&headers, "pw2"));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic !!"));
+        assert!(!authorized(&headers, "pw"));
+    }
+
+    #[test]
+    fn origins_must_name_the_host() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8080"));
+        assert!(same_origin(&headers).is_ok());
+        headers.insert(
+            header::ORIGIN,
+            HeaderValue::from_static("http://127.0.0.1:8080"),
+        );
+        assert!(same_origin(&headers).is_ok());
+        headers.insert(
+            header::ORIGIN,
+            HeaderValue::from_static("http://evil.example"),
+        );
+        assert!(same_origin(&headers).is_err());
+        headers.remove(header::ORIGIN);
+        headers.insert(
+            header::REFERER,
+            HeaderValue::from_static("http://127.0.0.1:8080.evil.example/"),
+        );
+        assert!(same_origin(&headers).is_err());
+        headers.insert(
+            header::REFERER,
+            HeaderValue::from_static("http://127.0.0.1:8080/subscriptions/x"),
+        );
+        assert!(same_origin(&headers).is_ok());
+    }
+
+    #[test]
+    fn the_cookie_is_found_among_others() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_static("a=1; pgbus_csrf=tok; b=2"),
+        );
+        assert!(cookie_matches(&headers, "tok"));
+        assert!(!cookie_matches(&headers, "other"));
+    }
+
+    #[test]
+    fn replay_times_parse() {
+        assert!(parse_since("2025-01-31T12:00").is_ok());
+        assert!(parse_since("2025-01-31T12:00:00Z").is_ok());
+        assert!(parse_since("yesterday").is_err());
+        assert_eq!(percent("a b/<"), "a%20b%2F%3C");
+    }
+}

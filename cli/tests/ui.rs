@@ -1,0 +1,868 @@
+//! `pgbus ui`, the dashboard, driven by a real browser (headless Chromium through
+//! chromedriver, both started by the test) and by raw HTTP, against a real PostgreSQL and
+//! real `pgbus consume` processes.
+//!
+//! The screenshots of the overview and of a subscription's page are written to
+//! `$PGBUS_UI_SCREENSHOTS` when set (e.g. `docs/`), else under the target directory.
+
+mod common;
+mod proc;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use pgbus::Event;
+use pgbus_testkit::browser::Chromedriver;
+use proc::{Consumer, WAIT};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+/// A running `pgbus ui`, killed when dropped.
+struct Ui {
+    _child: tokio::process::Child,
+    addr: SocketAddr,
+}
+
+impl Ui {
+    /// Starts `pgbus ui --listen <free port> --interval 200ms ARGS` with `env`, and waits
+    /// until it says it serves.
+    async fn start(db: &common::TestDb, args: &[&str], env: &[(&str, &str)]) -> Ui {
+        Ui::start_on(&db.url(), args, env).await
+    }
+
+    /// [`Ui::start`] on the database at `url`.
+    async fn start_on(url: &str, args: &[&str], env: &[(&str, &str)]) -> Ui {
+        let addr = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.local_addr().unwrap()
+        };
+        let mut cmd = proc::pgbus();
+        cmd.env("DATABASE_URL", url)
+            .args(["ui", "--listen", &addr.to_string(), "--interval", "200ms"])
+            .args(args)
+            .env_remove("PGBUS_UI_PASSWORD")
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawning pgbus ui");
+        let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+        common::within("pgbus ui to serve", WAIT, async {
+            loop {
+                let line = stderr
+                    .next_line()
+                    .await
+                    .unwrap()
+                    .expect("pgbus ui ended before serving");
+                eprintln!("ui: {line}");
+                if line.contains("dashboard on http://") {
+                    break;
+                }
+            }
+        })
+        .await;
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = stderr.next_line().await {
+                eprintln!("ui: {line}");
+            }
+        });
+        Ui {
+            _child: child,
+            addr,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+impl Answer {
+    /// The value of the first header `name` (case-insensitive).
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().skip(1).find_map(|line| {
+            let (k, v) = line.split_once(':')?;
+            k.eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+}
+
+/// One HTTP/1.0 request (the body ends with the connection).
+async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Answer {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut request = format!("{method} {path} HTTP/1.0\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        request.push_str(&format!("Host: {addr}\r\n"));
+    }
+    for (k, v) in headers {
+        request.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if method == "POST" {
+        request.push_str("Content-Type: application/x-www-form-urlencoded\r\n");
+        request.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    common::within("an HTTP answer", WAIT, stream.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8(answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head}"));
+    Answer {
+        status,
+        head: head.to_string(),
+        body: body.to_string(),
+    }
+}
+
+/// A browser session on a chromedriver of the test's own.
+async fn browser(driver: &Chromedriver) -> Client {
+    let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    ClientBuilder::new(connector)
+        .capabilities(driver.capabilities())
+        .connect(&driver.url())
+        .await
+        .unwrap_or_else(|e| panic!("a browser session: {e}\n{}", driver.log_tail()))
+}
+
+/// Runs `script` in the page; its result.
+async fn js(browser: &Client, script: &str) -> Value {
+    browser.execute(script, vec![]).await.unwrap()
+}
+
+/// The overview's rows as the page shows them: name, health and the counts' text.
+async fn overview_rows(browser: &Client) -> Vec<Value> {
+    let rows = js(
+        browser,
+        "return [...document.querySelectorAll('#subs tbody tr')].map(r => ({
+            name: r.dataset.name, health: r.className,
+            due: r.querySelector('.due').textContent,
+            dead: r.querySelector('.dead').textContent,
+            blocked: r.querySelector('.blocked').textContent,
+            consumers: r.querySelector('.consumers').textContent }));",
+    )
+    .await;
+    rows.as_array().cloned().unwrap_or_default()
+}
+
+/// Waits until the overview (updated by its script, no reload) shows `name`'s row with
+/// `field` equal to `want`.
+async fn wait_overview(browser: &Client, name: &str, field: &str, want: &str) {
+    let what = format!("the overview to show {name}'s {field} = {want}");
+    common::wait_for(&what, WAIT, || async {
+        overview_rows(browser)
+            .await
+            .iter()
+            .any(|r| r["name"] == name && r[field] == want)
+    })
+    .await;
+}
+
+/// Reloads `url` until `script` returns true.
+async fn wait_page(browser: &Client, url: &str, what: &str, script: &str) {
+    common::wait_for(what, WAIT, || async {
+        browser.goto(url).await.unwrap();
+        js(browser, script).await == Value::Bool(true)
+    })
+    .await;
+}
+
+/// Where the screenshots go.
+fn screenshot_dir() -> PathBuf {
+    let dir = std::env::var_os("PGBUS_UI_SCREENSHOTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ui-screenshots"));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+async fn screenshot(browser: &Client, name: &str) {
+    let png = browser.screenshot().await.unwrap();
+    assert!(png.starts_with(b"\x89PNG"), "a PNG");
+    let path = screenshot_dir().join(name);
+    std::fs::write(&path, png).unwrap();
+    eprintln!("screenshot: {}", path.display());
+}
+
+/// A shell command for `--exec` that fails with `error` while `flag` exists.
+fn fail_while(flag: &std::path::Path, error: &str) -> String {
+    format!(
+        "if [ -e '{}' ]; then echo '{error}' >&2; exit 1; fi",
+        flag.display()
+    )
+}
+
+#[tokio::test]
+async fn the_dashboard_follows_the_bus_and_its_actions_work() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let scratch = proc::scratch("ui");
+    let mail_down = scratch.join("mail-down");
+    let ledger_down = scratch.join("ledger-down");
+    std::fs::write(&mail_down, "").unwrap();
+    std::fs::write(&ledger_down, "").unwrap();
+    // audit has no consumer: what is published to it waits.
+    pgbus::admin::register_subscription(&client, "audit", &["audit.*"], 25)
+        .await
+        .unwrap();
+    let mail_cmd = fail_while(&mail_down, "mail server down");
+    let _mailer = Consumer::start(
+        &db,
+        &[
+            "-s",
+            "mailer",
+            "-p",
+            "mail.*",
+            "--max-attempts",
+            "1",
+            "--exec",
+            &mail_cmd,
+        ],
+    )
+    .await;
+    let ledger_cmd = format!(
+        "if [ \"$PGBUS_EVENT_NAME\" = ledger.bad ]; then {}; fi",
+        fail_while(&ledger_down, "ledger rejects it")
+    );
+    let _ledger = Consumer::start(
+        &db,
+        &[
+            "-s",
+            "ledger",
+            "-p",
+            "ledger.*",
+            "--ordered",
+            "--on-dead",
+            "block",
+            "--max-attempts",
+            "1",
+            "--exec",
+            &ledger_cmd,
+        ],
+    )
+    .await;
+    let ui = Ui::start(&db, &["--allow-actions"], &[]).await;
+    let driver = Chromedriver::start().await.unwrap();
+    let browser = browser(&driver).await;
+
+    // The overview, live: counts change after a publish without a reload.
+    browser.goto(&ui.url("/")).await.unwrap();
+    wait_overview(&browser, "audit", "due", "0").await;
+    common::wait_for("the overview to show mailer's consumer", WAIT, || async {
+        overview_rows(&browser).await.iter().any(|r| {
+            r["name"] == "mailer"
+                && (r["consumers"] == "1 awake / 0 asleep"
+                    || r["consumers"] == "0 awake / 1 asleep")
+        })
+    })
+    .await;
+    let loaded_at = js(&browser, "return performance.timeOrigin;").await;
+    pgbus::publish(&client, &Event::new("audit.login", json!({ "user": 7 })))
+        .await
+        .unwrap();
+    wait_overview(&browser, "audit", "due", "1").await;
+    wait_overview(&browser, "audit", "health", "behind").await;
+    let mail = Event::new("mail.send", json!({ "to": "ops@example.com" }));
+    let mail_id = mail.id.clone();
+    pgbus::publish(&client, &mail).await.unwrap();
+    wait_overview(&browser, "mailer", "dead", "1").await;
+    wait_overview(&browser, "mailer", "health", "failing").await;
+    assert_eq!(
+        js(&browser, "return performance.timeOrigin;").await,
+        loaded_at,
+        "the overview updated without a reload"
+    );
+    // A few more samples for the charts, then the picture.
+    for i in 0..20 {
+        pgbus::publish(
+            &client,
+            &Event::new("ledger.ok", json!({ "n": i })).aggregate("acct", format!("{i}")),
+        )
+        .await
+        .unwrap();
+    }
+    common::wait_for("the overview to show ledger's throughput", WAIT, || async {
+        js(
+            &browser,
+            "const r = document.querySelector('#subs tr[data-name=ledger] .rate');
+             return r !== null && Number(r.textContent) > 0;",
+        )
+        .await
+            == Value::Bool(true)
+    })
+    .await;
+    screenshot(&browser, "ui-overview.png").await;
+
+    // A dead letter: opened, its failure history shown, retried by a click, delivered.
+    browser
+        .find(Locator::Css("#subs tr[data-name=mailer] td.name a"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let dead_letter = browser
+        .find(Locator::Css("details.dead-letter"))
+        .await
+        .unwrap();
+    dead_letter
+        .find(Locator::Css("summary"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let history = dead_letter
+        .find(Locator::Css("table.history"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(history.contains("mail server down"), "{history}");
+    let worker: String = client
+        .query_one(
+            "SELECT id FROM pgbus.consumers WHERE 'mailer' = ANY (subscriptions)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(history.contains(&worker), "the worker is named: {history}");
+    assert_eq!(
+        dead_letter.attr("data-event-id").await.unwrap().as_deref(),
+        Some(mail_id.as_str())
+    );
+    screenshot(&browser, "ui-subscription.png").await;
+    std::fs::remove_file(&mail_down).unwrap();
+    dead_letter
+        .find(Locator::Css("button.retry"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let done = browser.find(Locator::Id("done")).await.unwrap();
+    assert_eq!(done.text().await.unwrap(), "retried 1 dead letter");
+    let event_page = ui.url(&format!("/events?q={mail_id}"));
+    wait_page(
+        &browser,
+        &event_page,
+        "the retried dead letter to be delivered",
+        "const s = document.querySelector('.delivery[data-subscription=mailer] .status');
+         return s !== null && s.textContent === 'done';",
+    )
+    .await;
+    let history = browser
+        .find(Locator::Css(
+            ".delivery[data-subscription=mailer] table.history",
+        ))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(history.contains("mail server down"), "{history}");
+    let payload = browser
+        .find(Locator::Css("pre.payload"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        serde_json::from_str::<Value>(&payload).unwrap(),
+        json!({ "to": "ops@example.com" })
+    );
+
+    // A blocked key, skipped by a click: what waited behind it is delivered.
+    let bad = Event::new("ledger.bad", json!({})).aggregate("acct", "x");
+    let behind = Event::new("ledger.ok", json!({ "after": "bad" })).aggregate("acct", "x");
+    let behind_id = behind.id.clone();
+    pgbus::publish_batch(&client, &[bad, behind]).await.unwrap();
+    let ledger_page = ui.url("/subscriptions/ledger");
+    wait_page(
+        &browser,
+        &ledger_page,
+        "the key acct:x to be blocked with one delivery behind it",
+        "const r = document.querySelector('#blocked tr[data-key=\"acct:x\"] .waiting');
+         return r !== null && r.textContent === '1';",
+    )
+    .await;
+    browser
+        .find(Locator::Css("#blocked tr[data-key=\"acct:x\"] button.skip"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let done = browser.find(Locator::Id("done")).await.unwrap();
+    assert_eq!(
+        done.text().await.unwrap(),
+        "skipped the dead head of key acct:x"
+    );
+    wait_page(
+        &browser,
+        &ui.url(&format!("/events?q={behind_id}")),
+        "the delivery behind the skipped head to be delivered",
+        "const s = document.querySelector('.delivery[data-subscription=ledger] .status');
+         return s !== null && s.textContent === 'done';",
+    )
+    .await;
+    browser.goto(&ledger_page).await.unwrap();
+    assert_eq!(
+        browser
+            .find_all(Locator::Css("#blocked tr[data-key]"))
+            .await
+            .unwrap()
+            .len(),
+        0,
+        "no key is blocked any more"
+    );
+
+    // The consumers page lists both buses.
+    browser.goto(&ui.url("/consumers")).await.unwrap();
+    let consumers = browser
+        .find(Locator::Css("#consumer-list"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        consumers.contains("mailer") && consumers.contains("ledger"),
+        "{consumers}"
+    );
+    browser.close().await.unwrap();
+}
+
+/// A request the dashboard must refuse: what it lacks, its headers, its form.
+type Refused<'a> = (&'a str, Vec<(&'a str, &'a str)>, String);
+
+/// The CSRF token of a `pgbus ui`: its cookie's value.
+async fn csrf_cookie(ui: &Ui, auth: &[(&str, &str)]) -> String {
+    let answer = http(ui.addr, "GET", "/", auth, "").await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let cookie = answer.header("set-cookie").expect("a CSRF cookie");
+    assert!(cookie.contains("SameSite=Strict"), "{cookie}");
+    assert!(cookie.contains("HttpOnly"), "{cookie}");
+    cookie
+        .split(';')
+        .next()
+        .and_then(|c| c.strip_prefix("pgbus_csrf="))
+        .expect("the pgbus_csrf cookie")
+        .to_string()
+}
+
+#[tokio::test]
+async fn actions_need_the_token_the_cookie_and_the_same_origin() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    pgbus::admin::register_subscription(&client, "jobs", &["p.*"], 3)
+        .await
+        .unwrap();
+    proc::two_dead_letters(&client).await;
+    let dead = || async {
+        common::count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'dead'",
+        )
+        .await
+    };
+    let ui = Ui::start(&db, &["--allow-actions"], &[]).await;
+    let token = csrf_cookie(&ui, &[]).await;
+    let page = http(ui.addr, "GET", "/subscriptions/jobs", &[], "").await;
+    assert!(
+        page.body
+            .contains(&format!("name=\"csrf\" value=\"{token}\"")),
+        "the page's forms carry the token"
+    );
+    for header in [
+        "content-security-policy",
+        "x-content-type-options",
+        "x-frame-options",
+    ] {
+        assert!(page.header(header).is_some(), "{header} in {}", page.head);
+    }
+    assert!(
+        page.header("content-security-policy")
+            .unwrap()
+            .contains("script-src 'self'")
+    );
+    // A page of another site whose name resolves to the loopback address (DNS
+    // rebinding) reaches the dashboard with its own name as the host: refused.
+    let rebound = format!("rebound.example:{}", ui.addr.port());
+    let answer = http(ui.addr, "GET", "/api/overview", &[("Host", &rebound)], "").await;
+    assert_eq!(answer.status, 421, "{answer:?}");
+    let localhost = format!("localhost:{}", ui.addr.port());
+    let answer = http(ui.addr, "GET", "/api/overview", &[("Host", &localhost)], "").await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let cookie = format!("pgbus_csrf={token}");
+    let origin = format!("http://{}", ui.addr);
+    let form = format!("csrf={token}&event_id=e1");
+    let refused: [Refused<'_>; 5] = [
+        ("no token, no cookie", vec![], "event_id=e1".to_string()),
+        (
+            "the cookie alone",
+            vec![("Cookie", &cookie)],
+            "event_id=e1".to_string(),
+        ),
+        ("the form's token alone", vec![], form.clone()),
+        (
+            "a wrong token",
+            vec![("Cookie", &cookie)],
+            "csrf=0000&event_id=e1".to_string(),
+        ),
+        (
+            "another site's origin",
+            vec![("Cookie", &cookie), ("Origin", "http://evil.example")],
+            form.clone(),
+        ),
+    ];
+    for (what, headers, body) in &refused {
+        let answer = http(ui.addr, "POST", "/subscriptions/jobs/retry", headers, body).await;
+        assert_eq!(answer.status, 403, "{what}: {answer:?}");
+        assert_eq!(dead().await, 2, "{what}: nothing was retried");
+    }
+    let referer = format!("http://evil.example/{}", ui.addr);
+    let answer = http(
+        ui.addr,
+        "POST",
+        "/subscriptions/jobs/retry",
+        &[("Cookie", &cookie), ("Referer", &referer)],
+        &form,
+    )
+    .await;
+    assert_eq!(answer.status, 403, "another site's referer: {answer:?}");
+    assert_eq!(dead().await, 2);
+    // Purging needs its confirmation.
+    let answer = http(
+        ui.addr,
+        "POST",
+        "/subscriptions/jobs/purge",
+        &[("Cookie", &cookie), ("Origin", &origin)],
+        &format!("csrf={token}"),
+    )
+    .await;
+    assert_eq!(answer.status, 400, "{answer:?}");
+    assert_eq!(dead().await, 2);
+    // Everything right: one dead letter retried.
+    let answer = http(
+        ui.addr,
+        "POST",
+        "/subscriptions/jobs/retry",
+        &[("Cookie", &cookie), ("Origin", &origin)],
+        &form,
+    )
+    .await;
+    assert_eq!(answer.status, 303, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some("/subscriptions/jobs?done=retried%201%20dead%20letter")
+    );
+    assert_eq!(dead().await, 1);
+    let answer = http(
+        ui.addr,
+        "POST",
+        "/subscriptions/jobs/purge",
+        &[("Cookie", &cookie), ("Origin", &origin)],
+        &format!("csrf={token}&confirm=yes"),
+    )
+    .await;
+    assert_eq!(answer.status, 303, "{answer:?}");
+    assert_eq!(dead().await, 0);
+
+    // Read-only: the same request with this process's token is refused.
+    client
+        .batch_execute("UPDATE pgbus.deliveries SET status = 'dead'")
+        .await
+        .unwrap();
+    assert_eq!(dead().await, 1);
+    let read_only = Ui::start(&db, &[], &[]).await;
+    let token = csrf_cookie(&read_only, &[]).await;
+    let cookie = format!("pgbus_csrf={token}");
+    let answer = http(
+        read_only.addr,
+        "POST",
+        "/subscriptions/jobs/retry",
+        &[("Cookie", &cookie)],
+        &format!("csrf={token}"),
+    )
+    .await;
+    assert_eq!(answer.status, 403, "{answer:?}");
+    assert!(answer.body.contains("--allow-actions"), "{}", answer.body);
+    assert_eq!(dead().await, 1);
+    let page = http(read_only.addr, "GET", "/subscriptions/jobs", &[], "").await;
+    assert!(
+        !page.body.contains("<form method=\"post\""),
+        "no action is offered"
+    );
+
+    // Basic auth: every request needs the password, any user name.
+    let guarded = Ui::start(&db, &[], &[("PGBUS_UI_PASSWORD", "s3cret")]).await;
+    for path in ["/", "/api/overview", "/static/app.js"] {
+        let answer = http(guarded.addr, "GET", path, &[], "").await;
+        assert_eq!(answer.status, 401, "{path}: {answer:?}");
+        assert!(
+            answer
+                .header("www-authenticate")
+                .unwrap()
+                .starts_with("Basic")
+        );
+    }
+    // "anyone:wrong", "anyone:s3cret"
+    let wrong = http(
+        guarded.addr,
+        "GET",
+        "/",
+        &[("Authorization", "Basic YW55b25lOndyb25n")],
+        "",
+    )
+    .await;
+    assert_eq!(wrong.status, 401);
+    let right = [("Authorization", "Basic YW55b25lOnMzY3JldA==")];
+    let answer = http(guarded.addr, "GET", "/api/overview", &right, "").await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let overview: Value = serde_json::from_str(&answer.body).unwrap();
+    assert_eq!(overview["subscriptions"][0]["name"], "jobs");
+    assert_eq!(overview["subscriptions"][0]["dead"], 1);
+}
+
+#[tokio::test]
+async fn what_events_carry_is_shown_as_text_and_never_runs() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let sub = "x\"><img/src=x/onerror=window.__xss=1>";
+    let name = "xss.\"><script>window.__xss=2</script>";
+    pgbus::admin::register_subscription(&client, sub, &["xss.*"], 25)
+        .await
+        .unwrap();
+    let event = Event::new(
+        name,
+        json!({
+            "html": "<script>window.__xss=3</script>",
+            "attr": "\"><img src=x onerror=window.__xss=4>",
+        }),
+    )
+    .header("h", "<img src=x onerror=window.__xss=5>")
+    .correlation_id("\"><b id=injected>corr</b>")
+    .aggregate("<i>t</i>", "1");
+    let id = event.id.clone();
+    pgbus::publish(&client, &event).await.unwrap();
+    let error = "<img src=x onerror=window.__xss=6>";
+    client
+        .execute(
+            "WITH d AS (UPDATE pgbus.deliveries SET status = 'dead', attempts = 1, last_error = $1 \
+             RETURNING subscription, event_seq) \
+             INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error, worker) \
+             SELECT subscription, event_seq, 1, $1, $1 FROM d",
+            &[&error],
+        )
+        .await
+        .unwrap();
+    let ui = Ui::start(&db, &["--allow-actions"], &[]).await;
+    let driver = Chromedriver::start().await.unwrap();
+    let browser = browser(&driver).await;
+    // Nothing injected: no element the content names, no script but the dashboard's, and
+    // no handler ran.
+    let clean = "return typeof window.__xss === 'undefined'
+        && document.querySelectorAll('img, b, i, svg, iframe').length === 0
+        && [...document.scripts].every(s => s.src.endsWith('/static/app.js'))
+        && document.getElementById('injected') === null;";
+
+    browser.goto(&ui.url("/")).await.unwrap();
+    common::wait_for(
+        "the overview's script to have refreshed it",
+        WAIT,
+        || async {
+            js(
+                &browser,
+                "return document.body.dataset.refreshed !== undefined;",
+            )
+            .await
+                == Value::Bool(true)
+        },
+    )
+    .await;
+    let rows = overview_rows(&browser).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["name"], sub);
+    let link = browser.find(Locator::Css("#subs td.name a")).await.unwrap();
+    assert_eq!(link.text().await.unwrap(), sub);
+    assert_eq!(js(&browser, clean).await, Value::Bool(true), "the overview");
+
+    link.click().await.unwrap();
+    assert_eq!(
+        browser
+            .find(Locator::Id("name"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap(),
+        sub
+    );
+    let dead_letter = browser
+        .find(Locator::Css("details.dead-letter"))
+        .await
+        .unwrap();
+    dead_letter
+        .find(Locator::Css("summary"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let text = dead_letter.text().await.unwrap();
+    assert!(text.contains(name), "{text}");
+    assert!(text.contains(error), "{text}");
+    assert_eq!(
+        js(&browser, clean).await,
+        Value::Bool(true),
+        "the subscription's page"
+    );
+
+    browser
+        .goto(&ui.url(&format!("/events?q={id}")))
+        .await
+        .unwrap();
+    let section = browser.find(Locator::Css("section.event")).await.unwrap();
+    let text = section.text().await.unwrap();
+    for shown in [name, "\"><b id=injected>corr</b>", "<i>t</i>", error] {
+        assert!(text.contains(shown), "{shown:?} in {text}");
+    }
+    let payload = browser
+        .find(Locator::Css("pre.payload"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        serde_json::from_str::<Value>(&payload).unwrap(),
+        event.payload,
+        "the payload, pretty-printed, reads back as itself"
+    );
+    let headers = browser
+        .find(Locator::Css("pre.headers"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        headers.contains("<img src=x onerror=window.__xss=5>"),
+        "{headers}"
+    );
+    assert_eq!(
+        js(&browser, clean).await,
+        Value::Bool(true),
+        "the event's page"
+    );
+
+    // Found by its correlation id too.
+    let q = "%22%3E%3Cb%20id%3Dinjected%3Ecorr%3C%2Fb%3E";
+    browser
+        .goto(&ui.url(&format!("/events?q={q}")))
+        .await
+        .unwrap();
+    assert_eq!(
+        browser
+            .find_all(Locator::Css("section.event"))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(
+        js(&browser, clean).await,
+        Value::Bool(true),
+        "the search's page"
+    );
+    browser.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_database_outage_shows_as_a_banner_and_the_dashboard_keeps_serving() {
+    let (cluster, config) = common::private_cluster().await;
+    let ui = Ui::start_on(&common::conninfo(&config), &[], &[]).await;
+    let answer = http(ui.addr, "GET", "/api/overview", &[], "").await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    drop(cluster);
+    common::wait_for("the overview to report the outage", WAIT, || async {
+        let answer = http(ui.addr, "GET", "/api/overview", &[], "").await;
+        let overview: Value = serde_json::from_str(&answer.body).unwrap();
+        overview["error"].is_string()
+    })
+    .await;
+    let page = http(ui.addr, "GET", "/", &[], "").await;
+    assert_eq!(page.status, 200);
+    assert!(
+        page.body.contains("The database cannot be read"),
+        "{}",
+        page.body
+    );
+    let page = http(ui.addr, "GET", "/subscriptions/x", &[], "").await;
+    assert_eq!(page.status, 503, "{page:?}");
+}
+
+#[tokio::test]
+async fn bad_input_starts_nothing_and_a_taken_address_fails() {
+    let db = common::test_db().await;
+    for (args, env, what) in [
+        (vec!["ui", "--listen", "localhost"], vec![], "no port"),
+        (vec!["ui", "--listen", "1.2.3.4.5:80"], vec![], "a bad IP"),
+        (
+            vec!["ui", "--interval", "10ms"],
+            vec![],
+            "too short an interval",
+        ),
+        (
+            vec!["ui"],
+            vec![("PGBUS_UI_PASSWORD", "")],
+            "an empty password",
+        ),
+    ] {
+        let mut cmd = proc::pgbus_on(&db);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = proc::run(cmd, &args).await;
+        assert_eq!(out.code, 2, "{what}: {out:?}");
+        assert!(!out.stderr.contains("dashboard on"), "{what}: {out:?}");
+    }
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = proc::run(proc::pgbus_on(&db), &["ui", "--listen", &addr]).await;
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stderr.contains("cannot listen on"), "{out:?}");
+    let out = proc::run(
+        proc::pgbus(),
+        &["ui", "--database-url", "postgres://nobody@127.0.0.1:1/none"],
+    )
+    .await;
+    assert_eq!(out.code, 1, "an unreachable database: {out:?}");
+}
