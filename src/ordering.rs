@@ -93,6 +93,56 @@ pub async fn blocked_keys<C: Executor + ?Sized>(
         .collect()
 }
 
+/// A delivery waiting behind its key's head, from [`waiting_behind`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct WaitingDelivery {
+    /// The ordering key.
+    pub key: String,
+    /// The event's position in the log.
+    pub event_seq: i64,
+    /// The event's id.
+    pub event_id: String,
+    /// The event's name.
+    pub event_name: String,
+    /// When it is due once it is the head.
+    pub available_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// What waits behind the heads of `keys` of an ordered subscription, by key and in the
+/// order it will be delivered, at most `per_key` deliveries of each key.
+///
+/// # Errors
+///
+/// [`Error::Database`](crate::Error::Database) when the statement fails.
+pub async fn waiting_behind<C: Executor + ?Sized>(
+    client: &C,
+    subscription: &str,
+    keys: &[&str],
+    per_key: i64,
+) -> Result<Vec<WaitingDelivery>> {
+    let params: [(&(dyn ToSql + Sync), Type); 3] = [
+        (&subscription, Type::TEXT),
+        (&keys, Type::TEXT_ARRAY),
+        (&per_key, Type::INT8),
+    ];
+    let rows = client
+        .client()
+        .query_typed(sql::KEY_WAITING, &params)
+        .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(WaitingDelivery {
+                key: r.try_get("key")?,
+                event_seq: r.try_get("event_seq")?,
+                event_id: r.try_get("event_id")?,
+                event_name: r.try_get("event_name")?,
+                available_at: r.try_get("available_at")?,
+            })
+        })
+        .collect()
+}
+
 /// Makes a key's head due now: a dead head goes back to pending with its attempts reset
 /// (its failure history is kept); a head backing off after a failure is retried at once.
 /// Returns whether the key had such a head.

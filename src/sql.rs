@@ -548,6 +548,26 @@ WHERE h.status = 'dead' AND h.is_head AND h.ordering_key IS NOT NULL
   AND ($1::text IS NULL OR h.subscription = $1)
 ORDER BY h.subscription, h.ordering_key";
 
+/// What waits behind the heads of some keys of an ordered subscription, in the order it
+/// will be delivered. Parameters: `$1 text` subscription, `$2 text[]` keys, `$3 int8` the
+/// most deliveries listed per key. Columns: `key`, `event_seq`, `event_id`, `event_name`,
+/// `available_at`.
+///
+/// One range of `deliveries_key_idx` per key, in its order, stopped at `$3`.
+pub const KEY_WAITING: &str = "\
+SELECT w.ordering_key AS key, w.event_seq, e.id AS event_id, e.event_name, w.available_at
+FROM unnest($2::text[]) AS k(key)
+CROSS JOIN LATERAL (
+  SELECT d.ordering_key, d.event_seq, d.available_at, d.key_pos
+  FROM pgbus.deliveries AS d
+  WHERE d.subscription = $1::text AND d.ordering_key = k.key
+    AND NOT d.is_head AND d.status = 'pending'
+  ORDER BY d.key_pos, d.event_seq
+  LIMIT $3::int8
+) AS w
+JOIN pgbus.events AS e ON e.seq = w.event_seq
+ORDER BY w.ordering_key, w.key_pos, w.event_seq";
+
 /// Makes a key's head due now: a dead head gets its attempts back, a head backing off is
 /// retried at once; notifies the listening buses. Parameters: `$1 text` subscription,
 /// `$2 text` key. Returns one row: `redriven` (heads redriven, 0 or 1), `woke`
@@ -778,6 +798,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("BLOCKED_KEYS", BLOCKED_KEYS),
     ("REDRIVE_HEAD", REDRIVE_HEAD),
     ("SKIP_HEAD", SKIP_HEAD),
+    ("KEY_WAITING", KEY_WAITING),
     ("CONSUMER_HEARTBEAT", CONSUMER_HEARTBEAT),
     ("CONSUMER_SLEEP", CONSUMER_SLEEP),
     ("CONSUMER_REMOVE", CONSUMER_REMOVE),

@@ -412,6 +412,21 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
          return r !== null && r.textContent === '1';",
     )
     .await;
+    let behind_listed = browser
+        .find(Locator::Css(
+            "#blocked tr[data-key=\"acct:x\"] ul.behind li",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        behind_listed
+            .attr("data-event-id")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some(behind_id.as_str()),
+        "what waits behind the key is listed"
+    );
     browser
         .find(Locator::Css("#blocked tr[data-key=\"acct:x\"] button.skip"))
         .await

@@ -48,6 +48,9 @@ const DEAD_LETTERS_SHOWN: i64 = 50;
 /// How many failed attempts a subscription's page shows in all.
 const FAILURES_SHOWN: i64 = 2000;
 
+/// How many of the deliveries waiting behind a blocked key a subscription's page lists.
+const WAITING_SHOWN: i64 = 5;
+
 /// How many events a search shows.
 const EVENTS_SHOWN: i64 = 20;
 
@@ -732,6 +735,8 @@ struct SubscriptionView {
     dead_letters: Vec<DeadLetterView>,
     dead_letters_total: i64,
     blocked_keys: Vec<pgbus::ordering::BlockedKey>,
+    /// The first deliveries waiting behind each blocked key, by key.
+    waiting: Vec<pgbus::ordering::WaitingDelivery>,
     consumers: Vec<admin::ConsumerInfo>,
 }
 
@@ -761,6 +766,8 @@ async fn read_subscription(app: &App, name: &str) -> Result<SubscriptionView, Ui
         })
         .collect();
     let blocked_keys = pgbus::ordering::blocked_keys(client, Some(name)).await?;
+    let keys: Vec<&str> = blocked_keys.iter().map(|k| k.key.as_str()).collect();
+    let waiting = pgbus::ordering::waiting_behind(client, name, &keys, WAITING_SHOWN).await?;
     let consumers = admin::consumers(client)
         .await?
         .into_iter()
@@ -774,6 +781,7 @@ async fn read_subscription(app: &App, name: &str) -> Result<SubscriptionView, Ui
         dead_letters,
         dead_letters_total,
         blocked_keys,
+        waiting,
         consumers,
     })
 }

@@ -270,7 +270,14 @@ pub(super) fn subscription(
                                 td { a href=(event_href(&k.event_id)) { (k.event_name) " " (k.event_id) } }
                                 td { (k.attempts) }
                                 td { pre.error { (k.last_error.as_deref().unwrap_or("")) } }
-                                td.waiting { (k.waiting) }
+                                td {
+                                    span.waiting { (k.waiting) }
+                                    ul.behind {
+                                        @for w in view.waiting.iter().filter(|w| w.key == k.key) {
+                                            li data-event-id=(w.event_id) { a href=(event_href(&w.event_id)) { (w.event_name) " " (w.event_id) } }
+                                        }
+                                    }
+                                }
                                 @if allow_actions {
                                     td {
                                         form.inline method="post" action=(format!("{href}/keys/redrive")) {
