@@ -233,6 +233,12 @@ async fn each_subscription_succeeds_fails_and_dies_on_its_own() {
             == 2
     })
     .await;
+    // The counter moves when the bus reads the settlement's answer, just after the row
+    // became dead in its commit: wait for it too.
+    common::wait_for("two dead letters counted", WAIT, || async {
+        running.stats().dead_lettered == 2
+    })
+    .await;
     assert_eq!(running.stats().dead_lettered, 2);
     running.shutdown().await.unwrap();
 }
