@@ -218,8 +218,9 @@ DROP FUNCTION pgbus.first_event_in_transaction();
 DO $$
 DECLARE
     -- visible_text's bracket of refused characters (it depends on the encoding).
-    v_class text := substring(pg_catalog.pg_get_functiondef('pgbus.visible_text(text)'::regprocedure)
-                              FROM $re$!~ '(.*)'$re$);
+    v_class text := (SELECT substring(p.prosrc FROM $re$^SELECT t !~ '(.*)'$re$)
+                     FROM pg_catalog.pg_proc AS p
+                     WHERE p.oid = 'pgbus.visible_text(text)'::pg_catalog.regprocedure);
 BEGIN
     IF v_class IS NULL THEN
         RAISE EXCEPTION 'pgbus.visible_text() does not have the body migration 7 gave it';
