@@ -77,13 +77,46 @@ async fn handlers_retry_settle_and_keep_key_order_through_the_pooler() {
         .await
         .unwrap();
     }
-    common::wait_count(
-        &client,
-        "every delivery to be completed through the pooler",
-        "SELECT count(*) FROM pgbus.deliveries",
-        0,
-    )
+    let left = "SELECT count(*) FROM pgbus.deliveries";
+    let done = tokio::time::timeout(WAIT, async {
+        while common::count(&client, left).await > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
     .await;
+    if done.is_err() {
+        // What is left, for the failure's message: which keys wait, and on what.
+        let rows = client
+            .query(
+                "SELECT event_seq, ordering_key, status, is_head, attempts, \
+                        (available_at - now())::text AS due_in, (locked_until - now())::text AS lease_left, \
+                        locked_by FROM pgbus.deliveries ORDER BY ordering_key, key_pos",
+                &[],
+            )
+            .await
+            .unwrap();
+        let state: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "seq {} key {:?} {} head {} attempts {} due_in {:?} lease_left {:?} by {:?}",
+                    r.get::<_, i64>(0),
+                    r.get::<_, Option<String>>(1),
+                    r.get::<_, String>(2),
+                    r.get::<_, bool>(3),
+                    r.get::<_, i32>(4),
+                    r.get::<_, Option<String>>(5),
+                    r.get::<_, Option<String>>(6),
+                    r.get::<_, Option<String>>(7),
+                )
+            })
+            .collect();
+        panic!(
+            "deliveries not completed within {WAIT:?} through the pooler; stats {:?}; left:\n{}",
+            running.stats(),
+            state.join("\n")
+        );
+    }
     let seen = seen.lock().unwrap().clone();
     for (key, ns) in &seen {
         let mut sorted = ns.clone();
