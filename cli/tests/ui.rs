@@ -365,7 +365,7 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
         .click()
         .await
         .unwrap();
-    let done = browser.find(Locator::Id("done")).await.unwrap();
+    let done = after_action(&browser).await;
     assert_eq!(done.text().await.unwrap(), "retried 1 dead letter");
     let event_page = ui.url(&format!("/events?q={mail_id}"));
     wait_page(
@@ -434,7 +434,7 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
         .click()
         .await
         .unwrap();
-    let done = browser.find(Locator::Id("done")).await.unwrap();
+    let done = after_action(&browser).await;
     assert_eq!(
         done.text().await.unwrap(),
         "skipped the dead head of key acct:x"
@@ -880,4 +880,16 @@ async fn bad_input_starts_nothing_and_a_taken_address_fails() {
     )
     .await;
     assert_eq!(out.code, 1, "an unreachable database: {out:?}");
+}
+
+/// The outcome of an action whose button was just clicked: the form's POST loads a new
+/// page, so the outcome is waited for (a find right after the click can still see the
+/// old page).
+async fn after_action(browser: &fantoccini::Client) -> fantoccini::elements::Element {
+    browser
+        .wait()
+        .at_most(WAIT)
+        .for_element(Locator::Id("done"))
+        .await
+        .expect("the action's outcome on the page that its POST loads")
 }
