@@ -309,8 +309,7 @@ impl HeadsModel {
     fn config_shared_held(&self, s: &State) -> bool {
         s.settler.is_some()
             || !matches!(s.operator, Operator::Idle | Operator::EnsurePending)
-            || s
-                .publishers
+            || s.publishers
                 .iter()
                 .any(|p| matches!(p, Publisher::Inserted { .. } | Publisher::Decided { .. }))
     }
@@ -354,10 +353,7 @@ pub fn orphaned(s: &State) -> bool {
         .iter()
         .flatten()
         .any(|d| d.keyed && d.status == Status::Pending);
-    let retry_under_way = matches!(
-        s.operator,
-        Operator::EnsurePending | Operator::EnsureLocked
-    );
+    let retry_under_way = matches!(s.operator, Operator::EnsurePending | Operator::EnsureLocked);
     pending && !key_has_head(s) && !retry_under_way
 }
 
@@ -441,10 +437,7 @@ impl Model for HeadsModel {
             if d.status == Status::Pending && d.head {
                 actions.push(Action::Claim(i));
             }
-            if d.status == Status::Processing
-                && s.settler.is_none()
-                && (lock_free || !d.keyed)
-            {
+            if d.status == Status::Processing && s.settler.is_none() && (lock_free || !d.keyed) {
                 actions.push(Action::Fail(i));
                 actions.push(Action::SettleLock(i, Settle::Ack));
                 actions.push(Action::SettleLock(i, Settle::DieBlock));
@@ -523,13 +516,12 @@ impl Model for HeadsModel {
                 if self.key_lock_on_publish {
                     s.key_lock = Some(Holder::Publisher(i as u8));
                 }
-                let sees_head = if self.head_from_snapshot
-                    && self.publishers[i] == Isolation::RepeatableRead
-                {
-                    snapshot_head
-                } else {
-                    key_has_head(last)
-                };
+                let sees_head =
+                    if self.head_from_snapshot && self.publishers[i] == Isolation::RepeatableRead {
+                        snapshot_head
+                    } else {
+                        key_has_head(last)
+                    };
                 let pos = early_pos.unwrap_or_else(|| {
                     s.next_pos += 1;
                     s.next_pos - 1
@@ -744,9 +736,10 @@ impl Model for HeadsModel {
     fn properties(&self) -> Vec<Property<Self>> {
         vec![
             Property::always("no key has two heads", |_, s: &State| !two_heads(s)),
-            Property::always("a key with pending deliveries has a head", |_, s: &State| {
-                !orphaned(s)
-            }),
+            Property::always(
+                "a key with pending deliveries has a head",
+                |_, s: &State| !orphaned(s),
+            ),
             Property::always("a key's deliveries run one at a time", |_, s: &State| {
                 !two_processing(s)
             }),
@@ -760,7 +753,10 @@ impl Model for HeadsModel {
             }),
             Property::sometimes("a purge hands the head on", |_, s: &State| {
                 s.operator == Operator::Idle
-                    && s.deliveries.iter().flatten().any(|d| d.status == Status::Purged)
+                    && s.deliveries
+                        .iter()
+                        .flatten()
+                        .any(|d| d.status == Status::Purged)
                     && s.deliveries
                         .iter()
                         .flatten()

@@ -76,7 +76,10 @@ where
     let mut violations = Vec::new();
     let mut unreached = Vec::new();
     for property in &properties {
-        match (property.expectation.clone(), discoveries.remove(property.name)) {
+        match (
+            property.expectation.clone(),
+            discoveries.remove(property.name),
+        ) {
             (Expectation::Sometimes, None) => unreached.push(property.name),
             (Expectation::Sometimes, Some(_)) | (_, None) => {}
             (_, Some(path)) => violations.push((property.name, trace(path))),

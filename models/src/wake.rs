@@ -228,9 +228,10 @@ pub fn waits_for_the_poll(state: &State) -> bool {
         .zip(&state.claimed)
         .any(|(p, claimed)| matches!(p, Publisher::Committed { .. }) && !claimed);
     unclaimed
-        && state.consumers.iter().all(|c| {
-            c.phase == Phase::Wait && !c.permit && !c.in_flight && c.listening
-        })
+        && state
+            .consumers
+            .iter()
+            .all(|c| c.phase == Phase::Wait && !c.permit && !c.in_flight && c.listening)
 }
 
 impl Model for WakeModel {
@@ -403,9 +404,14 @@ impl Model for WakeModel {
                     .iter()
                     .any(|p| *p == Publisher::Committed { notified: false })
             }),
-            Property::sometimes("a notification wakes a sleeping consumer", |_, s: &State| {
-                s.consumers.iter().any(|c| c.phase == Phase::Wait && c.permit)
-            }),
+            Property::sometimes(
+                "a notification wakes a sleeping consumer",
+                |_, s: &State| {
+                    s.consumers
+                        .iter()
+                        .any(|c| c.phase == Phase::Wait && c.permit)
+                },
+            ),
             Property::sometimes("every event is claimed", |_, s: &State| {
                 s.claimed.iter().all(|c| *c)
             }),

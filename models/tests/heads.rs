@@ -10,9 +10,17 @@ const ORDER: &str = "per-key delivery order is commit order";
 
 #[test]
 fn as_built_keeps_one_head_per_key_in_commit_order() {
-    let outcome = check("heads: as built (migration 15)", HeadsModel::as_built(), false);
+    let outcome = check(
+        "heads: as built (migration 15)",
+        HeadsModel::as_built(),
+        false,
+    );
     assert!(outcome.violations.is_empty(), "{:?}", outcome.violations);
-    assert!(outcome.unreached.is_empty(), "unreached: {:?}", outcome.unreached);
+    assert!(
+        outcome.unreached.is_empty(),
+        "unreached: {:?}",
+        outcome.unreached
+    );
 }
 
 #[test]

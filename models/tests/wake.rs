@@ -9,14 +9,22 @@ const PROPERTY: &str = "no event waits for the poll";
 fn small_as_built_no_event_waits_for_the_poll() {
     let outcome = check("wake: as built, one bus", WakeModel::small(), false);
     assert!(outcome.violations.is_empty(), "{:?}", outcome.violations);
-    assert!(outcome.unreached.is_empty(), "unreached: {:?}", outcome.unreached);
+    assert!(
+        outcome.unreached.is_empty(),
+        "unreached: {:?}",
+        outcome.unreached
+    );
 }
 
 #[test]
 fn as_built_no_event_waits_for_the_poll() {
     let outcome = check("wake: as built", WakeModel::as_built(), false);
     assert!(outcome.violations.is_empty(), "{:?}", outcome.violations);
-    assert!(outcome.unreached.is_empty(), "unreached: {:?}", outcome.unreached);
+    assert!(
+        outcome.unreached.is_empty(),
+        "unreached: {:?}",
+        outcome.unreached
+    );
 }
 
 fn control(label: &str, model: WakeModel) {
