@@ -95,7 +95,9 @@ async fn a_head_that_dies_during_a_purge_keeps_its_key_whole() {
             .map(|row| row.get::<_, i64>(0))
     });
     let blocked_by = |pid: i32| {
-        format!("SELECT count(*) FROM unnest(pg_blocking_pids({purger_pid})) AS b(pid) WHERE b.pid = {pid}")
+        format!(
+            "SELECT count(*) FROM unnest(pg_blocking_pids({purger_pid})) AS b(pid) WHERE b.pid = {pid}"
+        )
     };
     let blocked_by_holder = blocked_by(holder_pid);
     common::wait_for("the purge to wait for key b's lock", WAIT, || async {
