@@ -734,7 +734,7 @@ impl Model for HeadsModel {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        vec![
+        let mut properties = vec![
             Property::always("no key has two heads", |_, s: &State| !two_heads(s)),
             Property::always(
                 "a key with pending deliveries has a head",
@@ -751,20 +751,29 @@ impl Model for HeadsModel {
                     .iter()
                     .all(|d| d.is_some_and(|d| d.status == Status::Done && d.claim.is_some()))
             }),
-            Property::sometimes("a purge hands the head on", |_, s: &State| {
-                s.operator == Operator::Idle
-                    && s.deliveries
-                        .iter()
-                        .flatten()
-                        .any(|d| d.status == Status::Purged)
-                    && s.deliveries
-                        .iter()
-                        .flatten()
-                        .any(|d| d.keyed && d.head && d.status == Status::Pending)
-            }),
-            Property::sometimes("ordering switched off and on again", |_, s: &State| {
-                s.epoch >= 2 && s.deliveries.iter().flatten().any(|d| d.keyed)
-            }),
-        ]
+        ];
+        if self.operator {
+            properties.push(Property::sometimes(
+                "a purge hands the head on",
+                |_, s: &State| {
+                    s.operator == Operator::Idle
+                        && s.deliveries
+                            .iter()
+                            .flatten()
+                            .any(|d| d.status == Status::Purged)
+                        && s.deliveries
+                            .iter()
+                            .flatten()
+                            .any(|d| d.keyed && d.head && d.status == Status::Pending)
+                },
+            ));
+        }
+        if self.switches >= 2 {
+            properties.push(Property::sometimes(
+                "ordering switched off and on again",
+                |_, s: &State| s.epoch >= 2 && s.deliveries.iter().flatten().any(|d| d.keyed),
+            ));
+        }
+        properties
     }
 }

@@ -45,6 +45,19 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// Panics, with every counterexample printed one action a line, unless every
+    /// `always` property held and every `sometimes` property was reached.
+    pub fn assert_holds(&self) {
+        let mut report = String::new();
+        for (name, trace) in &self.violations {
+            report.push_str(&format!("counterexample to \"{name}\":\n{trace}"));
+        }
+        for name in &self.unreached {
+            report.push_str(&format!("never reached: \"{name}\"\n"));
+        }
+        assert!(report.is_empty(), "{}:\n{report}", self.label);
+    }
+
     /// The counterexample of a violated property, if the run found one.
     pub fn violation(&self, property: &str) -> Option<&str> {
         self.violations

@@ -401,8 +401,7 @@ impl Model for WakeModel {
             }),
             Property::sometimes("a commit sends no notification", |_, s: &State| {
                 s.publishers
-                    .iter()
-                    .any(|p| *p == Publisher::Committed { notified: false })
+                    .contains(&Publisher::Committed { notified: false })
             }),
             Property::sometimes(
                 "a notification wakes a sleeping consumer",

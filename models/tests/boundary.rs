@@ -13,7 +13,7 @@ const SWEPT: &str = "nothing swept is still needed";
 #[test]
 fn the_design_takes_every_event_once_in_commit_order() {
     let outcome = check("boundary: the design", BoundaryModel::design(), false);
-    assert!(outcome.violations.is_empty(), "{:?}", outcome.violations);
+    outcome.assert_holds();
     assert!(
         outcome.unreached.is_empty(),
         "unreached: {:?}",

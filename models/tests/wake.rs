@@ -8,7 +8,7 @@ const PROPERTY: &str = "no event waits for the poll";
 #[test]
 fn small_as_built_no_event_waits_for_the_poll() {
     let outcome = check("wake: as built, one bus", WakeModel::small(), false);
-    assert!(outcome.violations.is_empty(), "{:?}", outcome.violations);
+    outcome.assert_holds();
     assert!(
         outcome.unreached.is_empty(),
         "unreached: {:?}",
@@ -19,7 +19,7 @@ fn small_as_built_no_event_waits_for_the_poll() {
 #[test]
 fn as_built_no_event_waits_for_the_poll() {
     let outcome = check("wake: as built", WakeModel::as_built(), false);
-    assert!(outcome.violations.is_empty(), "{:?}", outcome.violations);
+    outcome.assert_holds();
     assert!(
         outcome.unreached.is_empty(),
         "unreached: {:?}",
