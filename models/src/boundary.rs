@@ -22,8 +22,10 @@
 //! - [`Action::CutLock`]: it locks the cursor row (`SELECT ... FOR UPDATE`) and reads the
 //!   previous boundary; under REPEATABLE READ a cursor changed since the snapshot is a
 //!   serialization failure (the cutter starts over).
-//! - [`Action::CutSnapshot`]: it takes the new boundary (`pg_current_snapshot()`; under
-//!   REPEATABLE READ that is the transaction's snapshot).
+//! - [`Action::CutSnapshot`]: it takes the new boundary (`pg_current_snapshot()`, which
+//!   returns the active snapshot: under REPEATABLE READ the transaction's, the one its
+//!   insert reads with; a boundary fresher than that would pass events the insert cannot
+//!   see, a control).
 //! - [`Action::CutInsert`]: one statement writes the deliveries of the events between the
 //!   two boundaries (`pg_visible_in_snapshot`), ordered by key position.
 //! - [`Action::CutCommit`]: it writes the new boundary into the cursor row and commits.
@@ -252,6 +254,9 @@ pub struct BoundaryModel {
     pub cursor_lock: bool,
     /// The sweep keeps events the cursor has not passed.
     pub sweep_checks_cursor: bool,
+    /// A REPEATABLE READ cutter takes its new boundary from a fresh snapshot rather than
+    /// its transaction's (control): its insert cannot see what the boundary passes.
+    pub fresh_boundary_in_repeatable_read: bool,
 }
 
 impl BoundaryModel {
@@ -270,6 +275,7 @@ impl BoundaryModel {
             cursor_in_same_transaction: true,
             cursor_lock: true,
             sweep_checks_cursor: true,
+            fresh_boundary_in_repeatable_read: false,
         }
     }
 
@@ -523,9 +529,12 @@ impl Model for BoundaryModel {
                 else {
                     return None;
                 };
-                let (new, committed_then) = match self.cutters[c] {
-                    Isolation::ReadCommitted => (self.boundary_now(last), committed(last)),
-                    Isolation::RepeatableRead => (boundary_then, snapshot),
+                let fresh = self.cutters[c] == Isolation::ReadCommitted
+                    || self.fresh_boundary_in_repeatable_read;
+                let (new, committed_then) = if fresh {
+                    (self.boundary_now(last), committed(last))
+                } else {
+                    (boundary_then, snapshot)
                 };
                 let snapshot = match self.cutters[c] {
                     Isolation::ReadCommitted => committed(last),

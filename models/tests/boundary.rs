@@ -114,3 +114,15 @@ fn control_a_sweep_that_ignores_the_cursor_removes_events_not_yet_delivered() {
         SWEPT,
     );
 }
+
+#[test]
+fn control_a_repeatable_read_cut_with_a_fresher_boundary_than_its_snapshot_skips_events() {
+    control(
+        "boundary: REPEATABLE READ cutter, fresh boundary",
+        BoundaryModel {
+            fresh_boundary_in_repeatable_read: true,
+            ..BoundaryModel::design()
+        },
+        SKIPPED,
+    );
+}
