@@ -10,7 +10,10 @@
 -- until the repair check (tests/purge_races.rs). Now the purge reads the dead heads
 -- again after each round of locks until a read finds no key it has not locked, and its
 -- delete takes a dead head only under its key's lock: a head that dies after the last
--- read stays a dead letter for the next purge.
+-- read stays a dead letter for the next purge. A second round of locks is not in the
+-- sorted order of the first, so it can meet a publisher of several keys in a deadlock,
+-- which PostgreSQL breaks by failing one of the two (it happens only when a head dies
+-- during the purge; the purge can be run again).
 CREATE OR REPLACE FUNCTION pgbus.purge_dead(p_subscription text, p_event_id text)
 RETURNS TABLE (purged bigint, failures bigint, promoted bigint)
 LANGUAGE plpgsql SET search_path = pg_catalog, pgbus, pg_temp AS $$
