@@ -291,8 +291,7 @@ pub struct HeadsModel {
 
 impl HeadsModel {
     /// pgbus with migration 15: two publishers (READ COMMITTED and REPEATABLE READ), the
-    /// worker, the operator, and one switch of the ordering (off, then it may come back
-    /// on... once each way).
+    /// worker, the operator, and two switches of the ordering (off, then on again).
     pub fn as_built() -> Self {
         HeadsModel {
             publishers: vec![Isolation::ReadCommitted, Isolation::RepeatableRead],
