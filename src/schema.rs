@@ -83,6 +83,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "publish_path",
         sql: include_str!("../sql/0011_publish_path.sql"),
     },
+    Migration {
+        version: 15,
+        name: "model_fixes",
+        sql: include_str!("../sql/0015_model_fixes.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]
