@@ -610,6 +610,72 @@ async fn forms_are_small_and_slow_requests_end() {
     .await;
 }
 
+#[tokio::test]
+async fn a_client_that_takes_no_answer_loses_its_connection() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    // Twenty large events of one correlation id (as many as a search shows): their answer
+    // is more than the sockets' buffers hold, so its writing waits on the client.
+    let pad = "x".repeat(900 * 1024);
+    for _ in 0..20 {
+        let event = Event::new("big.one", json!({ "pad": pad })).correlation_id("big");
+        pgbus::publish(&client, &event).await.unwrap();
+    }
+    let ui = Ui::start(
+        &db,
+        &["--max-connections-per-ip", "1", "--request-timeout", "8s"],
+        &[],
+    )
+    .await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(ui.addr).await.unwrap();
+    stalled
+        .write_all(
+            format!(
+                "GET /api/events?q=big HTTP/1.0\r\nHost: {}\r\n\r\n",
+                ui.addr
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    // The answer starts (the read is done), then the client takes no more of it...
+    let mut head = Vec::new();
+    common::within("the answer's head", WAIT, async {
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            tokio::io::AsyncReadExt::read_exact(&mut stalled, &mut byte)
+                .await
+                .unwrap();
+            head.push(byte[0]);
+        }
+    })
+    .await;
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.0 200"), "{head}");
+    // ...and holds the address's only place until the dashboard gives up on it.
+    common::wait_for("the stalled connection to be closed", WAIT, || async {
+        http(ui.addr, "GET", "/static/style.css", &[], "")
+            .await
+            .status
+            == 200
+    })
+    .await;
+    let mut got = Vec::new();
+    let _ = common::within(
+        "the rest of the stalled answer",
+        WAIT,
+        tokio::io::AsyncReadExt::read_to_end(&mut stalled, &mut got),
+    )
+    .await;
+    assert!(
+        got.len() < 20 * pad.len(),
+        "the answer was cut short: {} bytes",
+        got.len()
+    );
+}
+
 /// The invisible characters of the test, with the code each must show as.
 const HIDDEN: [(char, &str); 4] = [
     ('\u{202E}', "<U+202E>"),

@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum::extract::rejection::FormRejection;
 use axum::extract::{DefaultBodyLimit, Form, Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
@@ -147,7 +148,8 @@ pub(crate) struct UiArgs {
     /// closed after it too.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_limit)]
     header_timeout: Duration,
-    /// How long a request may take to be answered (then 503).
+    /// How long a request may take to be answered (then 503); also how long the answer's
+    /// writing may wait for a client that takes none of it (then the connection closes).
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_limit)]
     request_timeout: Duration,
     /// The connections open at once at most; one more is answered 503 and closed.
@@ -489,6 +491,7 @@ pub(crate) async fn run(args: UiArgs, url: Option<&str>) -> Result<(), Failure> 
     );
     let limits = server::Limits {
         header_timeout: args.header_timeout,
+        write_timeout: args.request_timeout,
         connections: args.max_connections as usize,
         per_client: args.max_connections_per_ip as usize,
     };
@@ -1092,6 +1095,14 @@ struct ActionForm {
     confirm: Option<String>,
 }
 
+/// The page that says why an action's form cannot be read (too large: 413), with
+/// whatever the reason quotes marked as any shown text is.
+fn form_refused(app: &App, e: &FormRejection) -> Response {
+    let status = e.status();
+    let page = pages::error_page(app.allow_actions, status, &e.body_text());
+    (status, html(page)).into_response()
+}
+
 /// Checks the form's CSRF token, runs `action` and sends the browser back to the
 /// subscription's page with what it did.
 async fn act<F, Fut>(app: &App, name: &str, form: &ActionForm, action: F) -> Response
@@ -1146,8 +1157,12 @@ fn percent(text: &str) -> String {
 async fn retry_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     let event_id = form.event_id.clone().filter(|e| !e.is_empty());
     let sub = name.clone();
     act(&app, &name, &form, |client| async move {
@@ -1164,8 +1179,12 @@ async fn retry_action(
 async fn purge_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     if form.confirm.as_deref() != Some("yes") {
         return UiError::BadRequest("purging needs its confirmation (confirm=yes)".into())
             .page(&app);
@@ -1190,8 +1209,12 @@ async fn purge_action(
 async fn replay_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     let since = match form.since.as_deref().map(parse_since) {
         Some(Ok(since)) => since,
         Some(Err(e)) => return UiError::BadRequest(e).page(&app),
@@ -1229,8 +1252,12 @@ fn parse_since(text: &str) -> Result<DateTime<Utc>, String> {
 async fn redrive_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     let Some(key) = form.key.clone() else {
         return UiError::BadRequest("redrive needs a key".into()).page(&app);
     };
@@ -1249,8 +1276,12 @@ async fn redrive_action(
 async fn skip_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     let Some(key) = form.key.clone() else {
         return UiError::BadRequest("skip needs a key".into()).page(&app);
     };

@@ -1,17 +1,22 @@
 //! The dashboard's accept loop: hyper's HTTP/1 connections, each with a deadline for a
 //! request's head (so a half-sent request, or an idle kept-alive connection, does not
 //! hold its place for ever), under a cap of connections in all and per client address.
-//! A connection over a cap is answered 503 and closed. Each request carries its
-//! connection's two addresses ([`Conn`]), which the host checks need.
+//! A connection over a cap is answered 503 and closed, and one whose client stops taking
+//! the answer is closed once its writes have made no progress for the request timeout
+//! ([`WriteDeadline`]). Each request carries its connection's two addresses ([`Conn`]),
+//! which the host checks need.
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::io;
 use std::net::IpAddr;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
@@ -23,6 +28,8 @@ pub(super) struct Limits {
     /// How long a request's head may take to arrive (and a kept-alive connection may
     /// stay idle).
     pub(super) header_timeout: Duration,
+    /// How long an answer's writing may make no progress.
+    pub(super) write_timeout: Duration,
     /// The connections open at once, in all.
     pub(super) connections: usize,
     /// The connections open at once from one client address.
@@ -116,7 +123,7 @@ pub(super) async fn serve(
                     router.clone(),
                     stream,
                     Conn { local, peer },
-                    limits.header_timeout,
+                    limits,
                     place,
                     stopped.clone(),
                 ));
@@ -148,7 +155,7 @@ async fn connection(
     router: Router,
     stream: TcpStream,
     conn: Conn,
-    header_timeout: Duration,
+    limits: Limits,
     _place: Place,
     mut stopped: watch::Receiver<bool>,
 ) {
@@ -162,9 +169,14 @@ async fn connection(
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(header_timeout)
+        .header_read_timeout(limits.header_timeout)
         .max_buf_size(HEAD_BUFFER)
         .keep_alive(true);
+    let stream = WriteDeadline {
+        inner: stream,
+        limit: limits.write_timeout,
+        stalled: None,
+    };
     let served = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
     tokio::pin!(served);
     tokio::select! {
@@ -199,4 +211,94 @@ async fn refuse(mut stream: TcpStream, reason: String, _permit: OwnedSemaphorePe
         Ok::<_, std::io::Error>(())
     })
     .await;
+}
+
+/// A connection whose writes fail (`TimedOut`) once they have made no progress for
+/// `limit`: a client that asks for a large answer and never reads it would otherwise hold
+/// its connection, and its place under the caps, for ever.
+struct WriteDeadline {
+    inner: TcpStream,
+    limit: Duration,
+    /// Since when the writes wait, as a timer.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl WriteDeadline {
+    /// Called when a write, flush or shutdown waits: an error once it has waited too long.
+    fn waiting<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
+        let limit = self.limit;
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took none of the answer for too long",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// Called with a write's, flush's or shutdown's outcome.
+    fn progress<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        match poll {
+            Poll::Pending => self.waiting(cx),
+            ready => {
+                self.stalled = None;
+                ready
+            }
+        }
+    }
+}
+
+impl AsyncRead for WriteDeadline {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for WriteDeadline {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.progress(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.progress(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_flush(cx);
+        this.progress(cx, poll)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.progress(cx, poll)
+    }
 }
