@@ -362,6 +362,22 @@ async fn half_sent_headers_are_dropped_after_the_header_timeout() {
     assert_eq!(answer.status, 200, "{answer:?}");
 }
 
+#[tokio::test]
+async fn a_stop_ends_despite_idle_and_half_sent_connections() {
+    let db = common::test_db().await;
+    let ui = Ui::start(&db, &["--header-timeout", "10m"], &[]).await;
+    let _half = hold(ip("127.0.0.1"), &ui).await;
+    let mut idle = connect(None, ui.addr).await;
+    idle.write_all(format!("GET /static/app.js HTTP/1.1\r\nHost: {}\r\n\r\n", ui.addr).as_bytes())
+        .await
+        .unwrap();
+    let mut byte = [0u8; 1];
+    tokio::io::AsyncReadExt::read_exact(&mut idle, &mut byte)
+        .await
+        .unwrap();
+    assert_eq!(ui.stop().await, Some(0));
+}
+
 /// A connection that sent half a request and holds it open.
 async fn hold(from: IpAddr, ui: &Ui) -> tokio::net::TcpStream {
     let mut stream = connect(Some(from), ui.addr).await;

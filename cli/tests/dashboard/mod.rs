@@ -72,6 +72,16 @@ impl Ui {
         }
     }
 
+    /// Sends SIGTERM and waits for the end; the exit code.
+    pub async fn stop(mut self) -> Option<i32> {
+        let pid = self._child.id().expect("pgbus ui still runs");
+        proc::signal(pid, "TERM").await;
+        common::within("pgbus ui to stop", WAIT, self._child.wait())
+            .await
+            .unwrap()
+            .code()
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
