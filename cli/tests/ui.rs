@@ -726,6 +726,31 @@ async fn bad_input_starts_nothing_and_a_taken_address_fails() {
             vec![("PGBUS_UI_PASSWORD", "")],
             "an empty password",
         ),
+        (
+            vec!["ui", "--max-connections", "0"],
+            vec![],
+            "no connection",
+        ),
+        (
+            vec!["ui", "--max-connections-per-ip", "0"],
+            vec![],
+            "no connection per address",
+        ),
+        (
+            vec!["ui", "--header-timeout", "0s"],
+            vec![],
+            "no time for a head",
+        ),
+        (
+            vec!["ui", "--request-timeout", "1ms"],
+            vec![],
+            "too short a request timeout",
+        ),
+        (
+            vec!["ui", "--listen", "0.0.0.0:0"],
+            vec![],
+            "off loopback without a password",
+        ),
     ] {
         let mut cmd = proc::pgbus_on(&db);
         for (k, v) in env {
