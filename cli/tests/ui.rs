@@ -46,6 +46,21 @@ async fn wait_overview(browser: &Client, name: &str, field: &str, want: &str) {
     .await;
 }
 
+/// Goes where the overview's link `selector` leads, by its address: the overview's
+/// script redraws its rows every second, so a click on an element found a moment before
+/// could find it replaced.
+async fn follow(browser: &Client, selector: &str) {
+    let href = js(
+        browser,
+        &format!("return document.querySelector('{selector}').href;"),
+    )
+    .await;
+    let href = href
+        .as_str()
+        .unwrap_or_else(|| panic!("no link {selector}"));
+    browser.goto(href).await.unwrap();
+}
+
 /// Reloads `url` until `script` returns true.
 async fn wait_page(browser: &Client, url: &str, what: &str, script: &str) {
     common::wait_for(what, WAIT, || async {
@@ -182,13 +197,7 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
     screenshot(&browser, "ui-overview.png").await;
 
     // A dead letter: opened, its failure history shown, retried by a click, delivered.
-    browser
-        .find(Locator::Css("#subs tr[data-name=mailer] td.name a"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    follow(&browser, "#subs tr[data-name=mailer] td.name a").await;
     let dead_letter = browser
         .find(Locator::Css("details.dead-letter"))
         .await
@@ -595,7 +604,9 @@ async fn what_events_carry_is_shown_as_text_and_never_runs() {
     assert_eq!(link.text().await.unwrap(), sub);
     assert_eq!(js(&browser, clean).await, Value::Bool(true), "the overview");
 
-    link.click().await.unwrap();
+    // Followed by its address: the script redraws the rows every second, so a click on
+    // the element found above could find it replaced.
+    follow(&browser, "#subs td.name a").await;
     assert_eq!(
         browser
             .find(Locator::Id("name"))
