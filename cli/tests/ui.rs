@@ -6,152 +6,17 @@
 //! `$PGBUS_UI_SCREENSHOTS` when set (e.g. `docs/`), else under the target directory.
 
 mod common;
+mod dashboard;
 mod proc;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::Stdio;
 
-use fantoccini::{Client, ClientBuilder, Locator};
+use dashboard::{Ui, browser, csrf_cookie, http, js};
+use fantoccini::{Client, Locator};
 use pgbus::Event;
 use pgbus_testkit::browser::Chromedriver;
 use proc::{Consumer, WAIT};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-
-/// A running `pgbus ui`, killed when dropped.
-struct Ui {
-    _child: tokio::process::Child,
-    addr: SocketAddr,
-}
-
-impl Ui {
-    /// Starts `pgbus ui --listen <free port> --interval 200ms ARGS` with `env`, and waits
-    /// until it says it serves.
-    async fn start(db: &common::TestDb, args: &[&str], env: &[(&str, &str)]) -> Ui {
-        Ui::start_on(&db.url(), args, env).await
-    }
-
-    /// [`Ui::start`] on the database at `url`.
-    async fn start_on(url: &str, args: &[&str], env: &[(&str, &str)]) -> Ui {
-        let addr = {
-            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            listener.local_addr().unwrap()
-        };
-        let mut cmd = proc::pgbus();
-        cmd.env("DATABASE_URL", url)
-            .args(["ui", "--listen", &addr.to_string(), "--interval", "200ms"])
-            .args(args)
-            .env_remove("PGBUS_UI_PASSWORD")
-            .stderr(Stdio::piped());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("spawning pgbus ui");
-        let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
-        common::within("pgbus ui to serve", WAIT, async {
-            loop {
-                let line = stderr
-                    .next_line()
-                    .await
-                    .unwrap()
-                    .expect("pgbus ui ended before serving");
-                eprintln!("ui: {line}");
-                if line.contains("dashboard on http://") {
-                    break;
-                }
-            }
-        })
-        .await;
-        tokio::spawn(async move {
-            while let Ok(Some(line)) = stderr.next_line().await {
-                eprintln!("ui: {line}");
-            }
-        });
-        Ui {
-            _child: child,
-            addr,
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
-    }
-}
-
-/// An HTTP answer.
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    head: String,
-    body: String,
-}
-
-impl Answer {
-    /// The value of the first header `name` (case-insensitive).
-    fn header(&self, name: &str) -> Option<&str> {
-        self.head.lines().skip(1).find_map(|line| {
-            let (k, v) = line.split_once(':')?;
-            k.eq_ignore_ascii_case(name).then(|| v.trim())
-        })
-    }
-}
-
-/// One HTTP/1.0 request (the body ends with the connection).
-async fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> Answer {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut request = format!("{method} {path} HTTP/1.0\r\n");
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-        request.push_str(&format!("Host: {addr}\r\n"));
-    }
-    for (k, v) in headers {
-        request.push_str(&format!("{k}: {v}\r\n"));
-    }
-    if method == "POST" {
-        request.push_str("Content-Type: application/x-www-form-urlencoded\r\n");
-        request.push_str(&format!("Content-Length: {}\r\n", body.len()));
-    }
-    request.push_str("\r\n");
-    request.push_str(body);
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut answer = Vec::new();
-    common::within("an HTTP answer", WAIT, stream.read_to_end(&mut answer))
-        .await
-        .unwrap();
-    let answer = String::from_utf8(answer).unwrap();
-    let (head, body) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {head}"));
-    Answer {
-        status,
-        head: head.to_string(),
-        body: body.to_string(),
-    }
-}
-
-/// A browser session on a chromedriver of the test's own.
-async fn browser(driver: &Chromedriver) -> Client {
-    let connector = hyper_util::client::legacy::connect::HttpConnector::new();
-    ClientBuilder::new(connector)
-        .capabilities(driver.capabilities())
-        .connect(&driver.url())
-        .await
-        .unwrap_or_else(|e| panic!("a browser session: {e}\n{}", driver.log_tail()))
-}
-
-/// Runs `script` in the page; its result.
-async fn js(browser: &Client, script: &str) -> Value {
-    browser.execute(script, vec![]).await.unwrap()
-}
 
 /// The overview's rows as the page shows them: name, health and the counts' text.
 async fn overview_rows(browser: &Client) -> Vec<Value> {
@@ -179,6 +44,21 @@ async fn wait_overview(browser: &Client, name: &str, field: &str, want: &str) {
             .any(|r| r["name"] == name && r[field] == want)
     })
     .await;
+}
+
+/// Goes where the overview's link `selector` leads, by its address: the overview's
+/// script redraws its rows every second, so a click on an element found a moment before
+/// could find it replaced.
+async fn follow(browser: &Client, selector: &str) {
+    let href = js(
+        browser,
+        &format!("return document.querySelector('{selector}').href;"),
+    )
+    .await;
+    let href = href
+        .as_str()
+        .unwrap_or_else(|| panic!("no link {selector}"));
+    browser.goto(href).await.unwrap();
 }
 
 /// Reloads `url` until `script` returns true.
@@ -317,13 +197,7 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
     screenshot(&browser, "ui-overview.png").await;
 
     // A dead letter: opened, its failure history shown, retried by a click, delivered.
-    browser
-        .find(Locator::Css("#subs tr[data-name=mailer] td.name a"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    follow(&browser, "#subs tr[data-name=mailer] td.name a").await;
     let dead_letter = browser
         .find(Locator::Css("details.dead-letter"))
         .await
@@ -477,21 +351,6 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
 /// A request the dashboard must refuse: what it lacks, its headers, its form.
 type Refused<'a> = (&'a str, Vec<(&'a str, &'a str)>, String);
 
-/// The CSRF token of a `pgbus ui`: its cookie's value.
-async fn csrf_cookie(ui: &Ui, auth: &[(&str, &str)]) -> String {
-    let answer = http(ui.addr, "GET", "/", auth, "").await;
-    assert_eq!(answer.status, 200, "{answer:?}");
-    let cookie = answer.header("set-cookie").expect("a CSRF cookie");
-    assert!(cookie.contains("SameSite=Strict"), "{cookie}");
-    assert!(cookie.contains("HttpOnly"), "{cookie}");
-    cookie
-        .split(';')
-        .next()
-        .and_then(|c| c.strip_prefix("pgbus_csrf="))
-        .expect("the pgbus_csrf cookie")
-        .to_string()
-}
-
 #[tokio::test]
 async fn actions_need_the_token_the_cookie_and_the_same_origin() {
     let db = common::test_db().await;
@@ -594,11 +453,27 @@ async fn actions_need_the_token_the_cookie_and_the_same_origin() {
     )
     .await;
     assert_eq!(answer.status, 303, "{answer:?}");
-    assert_eq!(
-        answer.header("location"),
-        Some("/subscriptions/jobs?done=retried%201%20dead%20letter")
+    // The outcome stays on the server: the address carries only its one-time id.
+    let location = answer.header("location").unwrap().to_string();
+    assert!(
+        location.starts_with("/subscriptions/jobs?done="),
+        "{answer:?}"
     );
+    assert!(!location.contains("retried"), "{location}");
     assert_eq!(dead().await, 1);
+    let page = http(ui.addr, "GET", &location, &[], "").await;
+    assert!(
+        page.body.contains(">retried 1 dead letter<"),
+        "the outcome is shown: {}",
+        page.body
+    );
+    let again = http(ui.addr, "GET", &location, &[], "").await;
+    assert_eq!(again.status, 200);
+    assert!(
+        !again.body.contains("retried 1 dead letter"),
+        "the outcome is shown once: {}",
+        again.body
+    );
     let answer = http(
         ui.addr,
         "POST",
@@ -729,7 +604,9 @@ async fn what_events_carry_is_shown_as_text_and_never_runs() {
     assert_eq!(link.text().await.unwrap(), sub);
     assert_eq!(js(&browser, clean).await, Value::Bool(true), "the overview");
 
-    link.click().await.unwrap();
+    // Followed by its address: the script redraws the rows every second, so a click on
+    // the element found above could find it replaced.
+    follow(&browser, "#subs td.name a").await;
     assert_eq!(
         browser
             .find(Locator::Id("name"))
@@ -859,6 +736,31 @@ async fn bad_input_starts_nothing_and_a_taken_address_fails() {
             vec!["ui"],
             vec![("PGBUS_UI_PASSWORD", "")],
             "an empty password",
+        ),
+        (
+            vec!["ui", "--max-connections", "0"],
+            vec![],
+            "no connection",
+        ),
+        (
+            vec!["ui", "--max-connections-per-ip", "0"],
+            vec![],
+            "no connection per address",
+        ),
+        (
+            vec!["ui", "--header-timeout", "0s"],
+            vec![],
+            "no time for a head",
+        ),
+        (
+            vec!["ui", "--request-timeout", "1ms"],
+            vec![],
+            "too short a request timeout",
+        ),
+        (
+            vec!["ui", "--listen", "0.0.0.0:0"],
+            vec![],
+            "off loopback without a password",
         ),
     ] {
         let mut cmd = proc::pgbus_on(&db);

@@ -7,21 +7,30 @@
 //! a sampler task reads the overview every `--interval` and keeps the last minutes for
 //! the charts.
 //!
-//! Security: read-only unless `--allow-actions`; an action is a POST that must carry the
+//! Security: every request must name in `Host` one of the names the dashboard serves
+//! (the address the connection reached, the loopback names on a loopback connection, the
+//! `--allowed-host` names); off the loopback address it needs `PGBUS_UI_PASSWORD` (HTTP
+//! basic auth, wrong passwords backing off per client) unless `--insecure-no-auth`.
+//! Read-only unless `--allow-actions`; an action is a POST that must carry the
 //! per-process CSRF token both in its `SameSite=Strict; HttpOnly` cookie and in its form,
-//! and whose `Origin` (or `Referer`), when sent, must name the host it was sent to.
-//! `PGBUS_UI_PASSWORD` turns on HTTP basic auth for every request (any user name).
-//! Every answer forbids framing, sniffing and inline scripts (`Content-Security-Policy`).
+//! and whose `Origin` (or `Referer`), when sent, must name one of the served names.
+//! The server caps connections (in all and per client), bounds a request's head, its
+//! form and its run, and keeps actions' outcomes behind one-time ids. Every answer
+//! forbids framing, sniffing and inline scripts (`Content-Security-Policy`); text that
+//! hides or reorders itself is shown as marked codes (`security::Shown`).
 
 mod pages;
+mod security;
+mod server;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::extract::{Form, Path, Query, Request, State};
+use axum::extract::rejection::FormRejection;
+use axum::extract::{DefaultBodyLimit, Form, Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
@@ -32,6 +41,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Failure, failed, human_duration, parse_duration, usage, with_sources};
 use pgbus::admin::{self, DeadLetterFilter};
+use security::{AllowedHost, Conn, Guesses, Hosts, Outcomes, client_key};
 
 /// How long the charts look back, in samples: 5 minutes at the default interval.
 const HISTORY_SAMPLES: usize = 300;
@@ -69,13 +79,16 @@ const STYLE_CSS: &str = include_str!("ui/style.css");
 /// The name of the CSRF cookie.
 const CSRF_COOKIE: &str = "pgbus_csrf";
 
+/// The largest request body read: the actions' forms are a few hundred bytes.
+const FORM_LIMIT: usize = 16 * 1024;
+
 /// Arguments of `pgbus ui`.
 #[derive(Debug, clap::Args)]
 #[command(after_help = "\
 Examples:
   pgbus ui
   pgbus ui --listen 127.0.0.1:8080 --allow-actions
-  PGBUS_UI_PASSWORD=secret pgbus ui --listen 0.0.0.0:8080
+  PGBUS_UI_PASSWORD=secret pgbus ui --listen 0.0.0.0:8080 --allowed-host dash.example
 
 Serves a dashboard of the database in DATABASE_URL: every subscription's backlog, dead
 letters, blocked keys and throughput with live charts, the notification queue, the live
@@ -86,15 +99,31 @@ JSON under /api/ (/api/overview, /api/subscriptions/NAME, /api/events?q=ID,
 Read-only unless --allow-actions: then a subscription's page can retry and purge dead
 letters, redrive or skip a blocked key, and replay events since a time. Actions are
 POSTs that must carry the process's CSRF token (a SameSite=Strict cookie and a form
-field) and, when the browser sends one, an Origin naming the dashboard's host.
+field) and, when the browser sends one, an Origin naming one of the dashboard's hosts.
+
+Every request must name in its Host header one of the dashboard's hosts: the address
+the connection reached (with the port), localhost, 127.0.0.1 and [::1] on a loopback
+connection, and the names given with --allowed-host (NAME: any port; NAME:PORT: that
+one). Anything else is refused with 421, which keeps a site whose name was made to
+resolve to this machine (DNS rebinding) from reading or acting on the dashboard; a
+reverse proxy or a port mapping that keeps the browser's Host needs --allowed-host.
+
 PGBUS_UI_PASSWORD set: every request needs HTTP basic auth with that password (any user
-name). It listens on the loopback address unless told otherwise; put it behind TLS
-before listening elsewhere.
+name); a client address that sends wrong passwords waits, longer each time (429 with
+Retry-After). It listens on the loopback address unless told otherwise; off it, it
+refuses to start without PGBUS_UI_PASSWORD unless given --insecure-no-auth. It has no
+TLS of its own: put it behind a TLS proxy before listening elsewhere.
+
+Limits: a request's head must arrive within --header-timeout (an idle connection is
+closed after it too), a request is answered within --request-timeout, a form is at
+most 16 KiB, and at most --max-connections connections (--max-connections-per-ip from
+one address) are open at once; a connection over a cap is answered 503.
 
 A database that goes away shows as an error banner; the dashboard keeps serving and
 reads again at the next interval. Stops on SIGINT, SIGTERM or SIGHUP with exit 0. Exit
 codes: 1 the database cannot be reached at start or the address cannot be bound; 2 bad
-usage (a malformed address or interval, an empty PGBUS_UI_PASSWORD).")]
+usage (a malformed address, interval or host name, an empty PGBUS_UI_PASSWORD, an
+address off the loopback without a password or --insecure-no-auth).")]
 pub(crate) struct UiArgs {
     /// Serve the dashboard on this address, an IP and a port.
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:8080",
@@ -106,6 +135,44 @@ pub(crate) struct UiArgs {
     /// How often the overview is sampled from the database (the charts' resolution).
     #[arg(long, default_value = "2s", value_parser = parse_interval)]
     interval: Duration,
+    /// Also answer to this host name (repeatable): NAME (any port) or NAME:PORT, as the
+    /// browser writes it in Host (e.g. the name a reverse proxy serves).
+    #[arg(long = "allowed-host", value_name = "NAME[:PORT]",
+          value_parser = security::parse_allowed_host)]
+    allowed_hosts: Vec<AllowedHost>,
+    /// Serve off the loopback address without PGBUS_UI_PASSWORD: anyone who can connect
+    /// reads the dashboard (and, with --allow-actions, acts on the bus).
+    #[arg(long)]
+    insecure_no_auth: bool,
+    /// How long a request's head may take to arrive; an idle kept-alive connection is
+    /// closed after it too.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_limit)]
+    header_timeout: Duration,
+    /// How long a request may take to be answered (then 503); also how long the answer's
+    /// writing may wait for a client that takes none of it (then the connection closes).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_limit)]
+    request_timeout: Duration,
+    /// The connections open at once at most; one more is answered 503 and closed.
+    #[arg(long, value_name = "N", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    max_connections: u32,
+    /// The connections open at once from one client address (an IPv6 client: its /64)
+    /// at most.
+    #[arg(long, value_name = "N", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    max_connections_per_ip: u32,
+}
+
+/// Parses a timeout of the server: a duration of at least 100ms.
+fn parse_limit(text: &str) -> Result<Duration, String> {
+    let limit = parse_duration(text)?;
+    if limit < Duration::from_millis(100) {
+        return Err(format!(
+            "the timeout must be at least 100ms, got {}",
+            human_duration(limit)
+        ));
+    }
+    Ok(limit)
 }
 
 /// Parses `--interval`: a duration of at least 100ms.
@@ -227,14 +294,18 @@ struct Samples {
 /// The dashboard's state, shared by every request.
 struct App {
     pool: deadpool_postgres::Pool,
-    /// On a loopback address: the `Host` values accepted (`127.0.0.1:PORT`,
-    /// `localhost:PORT`, `[::1]:PORT`), which keeps a page of another site whose name was
-    /// made to resolve to the loopback address (DNS rebinding) from reading the
-    /// dashboard. `None`: any host (an address others reach by names of their own).
-    hosts: Option<Vec<String>>,
+    /// The names a request's `Host` (and an action's `Origin`) may give, which keeps a
+    /// page of another site whose name was made to resolve to this machine (DNS
+    /// rebinding) from reading or acting on the dashboard.
+    hosts: Hosts,
     csrf: String,
     allow_actions: bool,
     password: Option<String>,
+    /// The wrong passwords of each client address.
+    guesses: Mutex<Guesses>,
+    /// What the actions did, behind one-time ids.
+    outcomes: Mutex<Outcomes>,
+    request_timeout: Duration,
     samples: Mutex<Samples>,
 }
 
@@ -307,7 +378,24 @@ impl UiError {
     /// As JSON: `{"error": "..."}`.
     fn json(self) -> Response {
         let body = serde_json::json!({ "error": self.message() });
-        (self.status(), axum::Json(body)).into_response()
+        json(self.status(), &body)
+    }
+}
+
+/// A JSON answer, every invisible or control character escaped (`security::escape_json`).
+fn json(status: StatusCode, value: &impl Serialize) -> Response {
+    match serde_json::to_string(value) {
+        Ok(text) => (
+            status,
+            [(header::CONTENT_TYPE, "application/json")],
+            security::escape_json(text),
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot write the answer as JSON: {e}\n"),
+        )
+            .into_response(),
     }
 }
 
@@ -335,6 +423,15 @@ pub(crate) async fn run(args: UiArgs, url: Option<&str>) -> Result<(), Failure> 
             return Err(usage("error: PGBUS_UI_PASSWORD is not valid UTF-8"));
         }
     };
+    let loopback = args.listen.ip().to_canonical().is_loopback();
+    if !loopback && password.is_none() && !args.insecure_no_auth {
+        return Err(usage(format!(
+            "error: --listen {} is not a loopback address, and anyone who can connect to it \
+             would read the dashboard: set PGBUS_UI_PASSWORD (HTTP basic auth), or give \
+             --insecure-no-auth to serve it without authentication",
+            args.listen
+        )));
+    }
     let mut config = super::database_config(url)?;
     let pg = config.pg_config_mut();
     if pg.get_application_name() == Some("pgbus cli") {
@@ -364,20 +461,15 @@ pub(crate) async fn run(args: UiArgs, url: Option<&str>) -> Result<(), Failure> 
     let addr = listener
         .local_addr()
         .map_err(|e| failed(format!("error: cannot listen on {}: {e}", args.listen)))?;
-    let hosts = addr.ip().is_loopback().then(|| {
-        let port = addr.port();
-        vec![
-            format!("127.0.0.1:{port}"),
-            format!("localhost:{port}"),
-            format!("[::1]:{port}"),
-        ]
-    });
     let app = Arc::new(App {
         pool,
-        hosts,
+        hosts: Hosts::new(args.allowed_hosts),
         csrf: csrf_token()?,
         allow_actions: args.allow_actions,
         password,
+        guesses: Mutex::new(Guesses::default()),
+        outcomes: Mutex::new(Outcomes::default()),
+        request_timeout: args.request_timeout,
         samples: Mutex::new(Samples::default()),
     });
     sample(&app).await;
@@ -391,22 +483,33 @@ pub(crate) async fn run(args: UiArgs, url: Option<&str>) -> Result<(), Failure> 
         },
         if app.password.is_some() {
             ", basic auth"
+        } else if !loopback {
+            ", NO AUTHENTICATION (--insecure-no-auth)"
         } else {
             ""
         },
     );
-    let served = axum::serve(listener, router(app))
-        .with_graceful_shutdown(signals)
-        .await;
+    let limits = server::Limits {
+        header_timeout: args.header_timeout,
+        write_timeout: args.request_timeout,
+        connections: args.max_connections as usize,
+        per_client: args.max_connections_per_ip as usize,
+    };
+    server::serve(listener, router(app), limits, signals).await;
     sampler.abort();
-    served.map_err(|e| failed(format!("error: the dashboard stopped: {e}")))
+    Ok(())
 }
 
 /// A new random token of 32 bytes, in hex.
 fn csrf_token() -> Result<String, Failure> {
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes)
-        .map_err(|e| failed(format!("error: no random numbers for the CSRF token: {e}")))?;
+    random_hex::<32>()
+        .map_err(|e| failed(format!("error: no random numbers for the CSRF token: {e}")))
+}
+
+/// `N` random bytes from the operating system, in hex.
+fn random_hex<const N: usize>() -> Result<String, getrandom::Error> {
+    let mut bytes = [0u8; N];
+    getrandom::fill(&mut bytes)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
@@ -428,52 +531,27 @@ fn router(app: Shared) -> Router {
         .route("/subscriptions/{name}/replay", post(replay_action))
         .route("/subscriptions/{name}/keys/redrive", post(redrive_action))
         .route("/subscriptions/{name}/keys/skip", post(skip_action))
+        .layer(DefaultBodyLimit::max(FORM_LIMIT))
         .layer(middleware::from_fn_with_state(app.clone(), guard))
         .with_state(app)
 }
 
-/// The security layer: basic auth when a password is set, the CSRF checks of every POST,
-/// and the headers of every answer.
+/// The security layer: the host check, basic auth when a password is set (with the
+/// back-off of wrong passwords), the checks of every POST, the request's time limit,
+/// and the headers of every answer. Only a request that passed the host and password
+/// checks gets the CSRF cookie.
 async fn guard(State(app): State<Shared>, request: Request, next: Next) -> Response {
-    let mut response = if let Some(password) = &app.password
-        && !authorized(request.headers(), password)
-    {
-        (
-            StatusCode::UNAUTHORIZED,
-            [(
-                header::WWW_AUTHENTICATE,
-                "Basic realm=\"pgbus\", charset=\"UTF-8\"",
-            )],
-            "authentication required\n",
-        )
-            .into_response()
-    } else if let Some(hosts) = &app.hosts
-        && !request
-            .headers()
-            .get(header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .is_some_and(|h| hosts.iter().any(|a| a.eq_ignore_ascii_case(h)))
-    {
-        (
-            StatusCode::MISDIRECTED_REQUEST,
-            "this dashboard answers only to its loopback address\n",
-        )
-            .into_response()
-    } else if request.method() == axum::http::Method::POST {
-        if !app.allow_actions {
-            UiError::Forbidden("actions are disabled: start pgbus ui with --allow-actions".into())
-                .page(&app)
-        } else if let Err(reason) = same_origin(request.headers()) {
-            UiError::Forbidden(reason).page(&app)
-        } else if !cookie_matches(request.headers(), &app.csrf) {
-            UiError::Forbidden("the CSRF cookie is missing or wrong: reload the page".into())
-                .page(&app)
-        } else {
-            // The form's token is checked by each action, which reads the form.
-            next.run(request).await
-        }
-    } else {
-        next.run(request).await
+    let (mut response, trusted) = match request.extensions().get::<Conn>().copied() {
+        Some(conn) => checked(&app, conn, request, next).await,
+        // Every connection's requests carry it (server.rs).
+        None => (
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "no connection information\n",
+            )
+                .into_response(),
+            false,
+        ),
     };
     let headers = response.headers_mut();
     let set = |headers: &mut HeaderMap, name, value: &'static str| {
@@ -489,13 +567,125 @@ async fn guard(State(app): State<Shared>, request: Request, next: Next) -> Respo
     set(headers, header::X_FRAME_OPTIONS, "DENY");
     set(headers, header::REFERRER_POLICY, "same-origin");
     set(headers, header::CACHE_CONTROL, "no-store");
-    if let Ok(cookie) = HeaderValue::from_str(&format!(
-        "{CSRF_COOKIE}={}; Path=/; SameSite=Strict; HttpOnly",
-        app.csrf
-    )) {
+    if trusted
+        && let Ok(cookie) = HeaderValue::from_str(&format!(
+            "{CSRF_COOKIE}={}; Path=/; SameSite=Strict; HttpOnly",
+            app.csrf
+        ))
+    {
         headers.insert(header::SET_COOKIE, cookie);
     }
     response
+}
+
+/// [`guard`]'s checks and the request's run; whether the request passed the host and
+/// password checks.
+async fn checked(app: &App, conn: Conn, request: Request, next: Next) -> (Response, bool) {
+    let headers = request.headers();
+    let host_served = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .is_some_and(|h| app.hosts.serves(&conn, h, 80))
+        && request
+            .uri()
+            .authority()
+            .is_none_or(|a| app.hosts.serves(&conn, a.as_str(), 80));
+    if !host_served {
+        let refusal = (
+            StatusCode::MISDIRECTED_REQUEST,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            "this dashboard does not answer to this host name: use the address it listens \
+             on, or start pgbus ui with --allowed-host NAME\n",
+        );
+        return (refusal.into_response(), false);
+    }
+    if let Some(password) = &app.password {
+        let client = client_key(conn.peer.ip());
+        let now = Instant::now();
+        let waiting = app
+            .guesses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .waiting(client, now);
+        if let Some(wait) = waiting {
+            return (too_many_guesses(wait), false);
+        }
+        if !authorized(headers, password) {
+            // A request without credentials is a browser's first: not a guess.
+            let wait = if headers.contains_key(header::AUTHORIZATION) {
+                app.guesses
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .failed(client, now)
+            } else {
+                None
+            };
+            if let Some(wait) = wait {
+                tracing::warn!(client = %conn.peer, "pgbus ui: wrong passwords, the client waits {}", human_duration(wait));
+                return (too_many_guesses(wait), false);
+            }
+            let refusal = (
+                StatusCode::UNAUTHORIZED,
+                [(
+                    header::WWW_AUTHENTICATE,
+                    "Basic realm=\"pgbus\", charset=\"UTF-8\"",
+                )],
+                "authentication required\n",
+            );
+            return (refusal.into_response(), false);
+        }
+        app.guesses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .succeeded(client);
+    }
+    let method = request.method();
+    let safe = method == axum::http::Method::GET
+        || method == axum::http::Method::HEAD
+        || method == axum::http::Method::OPTIONS;
+    if !safe {
+        let origin = headers.get(header::ORIGIN).map(HeaderValue::as_bytes);
+        let referer = headers.get(header::REFERER).map(HeaderValue::as_bytes);
+        let refusal = if !app.allow_actions {
+            Some("actions are disabled: start pgbus ui with --allow-actions".to_string())
+        } else if let Err(reason) = app.hosts.same_origin(&conn, origin, referer) {
+            Some(reason)
+        } else if !cookie_matches(headers, &app.csrf) {
+            Some("the CSRF cookie is missing or wrong: reload the page".to_string())
+        } else {
+            // The form's token is checked by each action, which reads the form.
+            None
+        };
+        if let Some(reason) = refusal {
+            return (UiError::Forbidden(reason).page(app), true);
+        }
+    }
+    let response = match tokio::time::timeout(app.request_timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => UiError::Database(format!(
+            "the request took longer than {}: the database may be slow or locked",
+            human_duration(app.request_timeout)
+        ))
+        .page(app),
+    };
+    (response, true)
+}
+
+/// 429 with how long to wait (`Retry-After`, in whole seconds, rounded up).
+fn too_many_guesses(wait: Duration) -> Response {
+    let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    (
+        StatusCode::TOO_MANY_REQUESTS,
+        [
+            (header::RETRY_AFTER, seconds.to_string()),
+            (
+                header::CONTENT_TYPE,
+                "text/plain; charset=utf-8".to_string(),
+            ),
+        ],
+        format!("too many wrong passwords from your address: try again in {seconds}s\n"),
+    )
+        .into_response()
 }
 
 /// Whether `a` and `b` are equal, in a time that depends on their lengths only.
@@ -531,38 +721,6 @@ fn authorized(headers: &HeaderMap, password: &str) -> bool {
         return false;
     };
     constant_time_eq(&decoded[colon + 1..], password.as_bytes())
-}
-
-/// Checks that a POST's `Origin` (or, without one, its `Referer`), when sent, names the
-/// host it was sent to.
-fn same_origin(headers: &HeaderMap) -> Result<(), String> {
-    let host = headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .ok_or("the request names no host")?;
-    let expected = format!("http://{host}");
-    if let Some(origin) = headers.get(header::ORIGIN) {
-        let origin = origin.to_str().unwrap_or_default();
-        return if origin == expected {
-            Ok(())
-        } else {
-            Err(format!(
-                "cross-site request refused: origin {origin:?} is not {expected:?}"
-            ))
-        };
-    }
-    if let Some(referer) = headers.get(header::REFERER) {
-        let referer = referer.to_str().unwrap_or_default();
-        let same = referer
-            .strip_prefix(&expected)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
-        return if same {
-            Ok(())
-        } else {
-            Err("cross-site request refused: the referer is another site".into())
-        };
-    }
-    Ok(())
 }
 
 /// Whether the request's CSRF cookie holds the token.
@@ -714,7 +872,7 @@ async fn overview_page(State(app): State<Shared>) -> Response {
 }
 
 async fn overview_api(State(app): State<Shared>) -> Response {
-    axum::Json(current_overview(&app)).into_response()
+    json(StatusCode::OK, &current_overview(&app))
 }
 
 /// A dead letter with its failure history.
@@ -786,7 +944,8 @@ async fn read_subscription(app: &App, name: &str) -> Result<SubscriptionView, Ui
     })
 }
 
-/// What a page's address may say after an action.
+/// What a page's address may carry after an action: the one-time id of its outcome,
+/// which the server keeps (a link cannot make the page claim anything).
 #[derive(Debug, Deserialize)]
 struct Flash {
     done: Option<String>,
@@ -797,12 +956,18 @@ async fn subscription_page(
     Path(name): Path<String>,
     Query(flash): Query<Flash>,
 ) -> Response {
+    let done = flash.done.and_then(|id| {
+        app.outcomes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(&id, &name)
+    });
     match read_subscription(&app, &name).await {
         Ok(view) => html(pages::subscription(
             app.allow_actions,
             &app.csrf,
             &view,
-            flash.done.as_deref(),
+            done.as_deref(),
         )),
         Err(e) => e.page(&app),
     }
@@ -810,7 +975,7 @@ async fn subscription_page(
 
 async fn subscription_api(State(app): State<Shared>, Path(name): Path<String>) -> Response {
     match read_subscription(&app, &name).await {
-        Ok(view) => axum::Json(view).into_response(),
+        Ok(view) => json(StatusCode::OK, &view),
         Err(e) => e.json(),
     }
 }
@@ -871,7 +1036,7 @@ async fn events_api(State(app): State<Shared>, Query(search): Query<Search>) -> 
         return UiError::BadRequest("give an event id or correlation id as ?q=".into()).json();
     };
     match read_events(&app, q).await {
-        Ok(events) => axum::Json(serde_json::json!({ "events": events })).into_response(),
+        Ok(events) => json(StatusCode::OK, &serde_json::json!({ "events": events })),
         Err(e) => e.json(),
     }
 }
@@ -890,7 +1055,10 @@ async fn consumers_page(State(app): State<Shared>) -> Response {
 
 async fn consumers_api(State(app): State<Shared>) -> Response {
     match read_consumers(&app).await {
-        Ok(consumers) => axum::Json(serde_json::json!({ "consumers": consumers })).into_response(),
+        Ok(consumers) => json(
+            StatusCode::OK,
+            &serde_json::json!({ "consumers": consumers }),
+        ),
         Err(e) => e.json(),
     }
 }
@@ -927,6 +1095,14 @@ struct ActionForm {
     confirm: Option<String>,
 }
 
+/// The page that says why an action's form cannot be read (too large: 413), with
+/// whatever the reason quotes marked as any shown text is.
+fn form_refused(app: &App, e: &FormRejection) -> Response {
+    let status = e.status();
+    let page = pages::error_page(app.allow_actions, status, &e.body_text());
+    (status, html(page)).into_response()
+}
+
 /// Checks the form's CSRF token, runs `action` and sends the browser back to the
 /// subscription's page with what it did.
 async fn act<F, Fut>(app: &App, name: &str, form: &ActionForm, action: F) -> Response
@@ -944,8 +1120,21 @@ where
     };
     match action(client).await {
         Ok(done) => {
-            let to = format!("/subscriptions/{}?done={}", percent(name), percent(&done));
-            Redirect::to(&to).into_response()
+            let page = format!("/subscriptions/{}", percent(name));
+            match random_hex::<16>() {
+                Ok(id) => {
+                    let to = format!("{page}?done={id}");
+                    app.outcomes
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .put(id, name, done);
+                    Redirect::to(&to).into_response()
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "pgbus ui: no random id for an action's outcome");
+                    Redirect::to(&page).into_response()
+                }
+            }
         }
         Err(e) => e.page(app),
     }
@@ -968,8 +1157,12 @@ fn percent(text: &str) -> String {
 async fn retry_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     let event_id = form.event_id.clone().filter(|e| !e.is_empty());
     let sub = name.clone();
     act(&app, &name, &form, |client| async move {
@@ -986,8 +1179,12 @@ async fn retry_action(
 async fn purge_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     if form.confirm.as_deref() != Some("yes") {
         return UiError::BadRequest("purging needs its confirmation (confirm=yes)".into())
             .page(&app);
@@ -1012,8 +1209,12 @@ async fn purge_action(
 async fn replay_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     let since = match form.since.as_deref().map(parse_since) {
         Some(Ok(since)) => since,
         Some(Err(e)) => return UiError::BadRequest(e).page(&app),
@@ -1051,8 +1252,12 @@ fn parse_since(text: &str) -> Result<DateTime<Utc>, String> {
 async fn redrive_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     let Some(key) = form.key.clone() else {
         return UiError::BadRequest("redrive needs a key".into()).page(&app);
     };
@@ -1071,8 +1276,12 @@ async fn redrive_action(
 async fn skip_action(
     State(app): State<Shared>,
     Path(name): Path<String>,
-    Form(form): Form<ActionForm>,
+    form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
     let Some(key) = form.key.clone() else {
         return UiError::BadRequest("skip needs a key".into()).page(&app);
     };
@@ -1118,34 +1327,6 @@ mod tests {
         assert!(!authorized(&headers, "pw2"));
         headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic !!"));
         assert!(!authorized(&headers, "pw"));
-    }
-
-    #[test]
-    fn origins_must_name_the_host() {
-        let mut headers = HeaderMap::new();
-        headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8080"));
-        assert!(same_origin(&headers).is_ok());
-        headers.insert(
-            header::ORIGIN,
-            HeaderValue::from_static("http://127.0.0.1:8080"),
-        );
-        assert!(same_origin(&headers).is_ok());
-        headers.insert(
-            header::ORIGIN,
-            HeaderValue::from_static("http://evil.example"),
-        );
-        assert!(same_origin(&headers).is_err());
-        headers.remove(header::ORIGIN);
-        headers.insert(
-            header::REFERER,
-            HeaderValue::from_static("http://127.0.0.1:8080.evil.example/"),
-        );
-        assert!(same_origin(&headers).is_err());
-        headers.insert(
-            header::REFERER,
-            HeaderValue::from_static("http://127.0.0.1:8080/subscriptions/x"),
-        );
-        assert!(same_origin(&headers).is_ok());
     }
 
     #[test]

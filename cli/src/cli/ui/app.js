@@ -1,17 +1,50 @@
 // pgbus ui: live updates of the overview and the consumers page, drawn from the JSON
-// endpoints. Data only ever reaches the page through textContent and attributes set
-// with setAttribute: never as HTML.
+// endpoints. Data only ever reaches the page through text nodes and attributes set
+// with setAttribute: never as HTML. Invisible, bidirectional and control characters in
+// the data are shown as marked codes (<U+202E>), as the server's pages show them.
 "use strict";
 
 (function () {
   var POLL_MS = 1000;
+
+  // The characters shown as codes: the same set as `hidden` in ui/security.rs.
+  var HIDDEN = new RegExp("[\\u0000-\\u0008\\u000B-\\u001F\\u007F-\\u00A0\\u00AD\\u034F" +
+    "\\u061C\\u115F\\u1160\\u1680\\u17B4\\u17B5\\u180B-\\u180F\\u2000-\\u200F" +
+    "\\u2028-\\u202F\\u205F-\\u206F\\u2800\\u3000\\u3164\\uFE00-\\uFE0F\\uFEFF\\uFFA0" +
+    "\\uFFF0-\\uFFFB\\u{1BCA0}-\\u{1BCA3}\\u{1D173}-\\u{1D17A}\\u{E0000}-\\u{E0FFF}]", "gu");
+
+  function code(c) {
+    var hex = c.codePointAt(0).toString(16).toUpperCase();
+    while (hex.length < 4) { hex = "0" + hex; }
+    return "<U+" + hex + ">";
+  }
+
+  // Replaces node's content with text, each hidden character as a marked code.
+  function show(node, text) {
+    text = String(text);
+    node.replaceChildren();
+    var last = 0;
+    HIDDEN.lastIndex = 0;
+    var m;
+    while ((m = HIDDEN.exec(text)) !== null) {
+      if (m.index > last) { node.appendChild(document.createTextNode(text.slice(last, m.index))); }
+      var mark = document.createElement("span");
+      mark.className = "cc";
+      mark.title = "an invisible or control character";
+      mark.textContent = code(m[0]);
+      node.appendChild(mark);
+      last = m.index + m[0].length;
+    }
+    if (last < text.length) { node.appendChild(document.createTextNode(text.slice(last))); }
+    return node;
+  }
 
   function el(tag, attrs, text) {
     var node = document.createElement(tag);
     if (attrs) {
       Object.keys(attrs).forEach(function (k) { node.setAttribute(k, attrs[k]); });
     }
-    if (text !== undefined && text !== null) { node.textContent = String(text); }
+    if (text !== undefined && text !== null) { show(node, text); }
     return node;
   }
 
@@ -31,7 +64,7 @@
     var banner = document.getElementById("error");
     if (!banner) { return; }
     if (message) {
-      banner.textContent = "The database cannot be read: " + message;
+      show(banner, "The database cannot be read: " + message);
       banner.hidden = false;
     } else {
       banner.textContent = "";

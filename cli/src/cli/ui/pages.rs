@@ -1,11 +1,14 @@
 //! The dashboard's pages, rendered with maud: every value is escaped for HTML, so the
-//! names, headers, payloads and errors an application wrote show as text. No inline
-//! script and no inline style: the Content-Security-Policy allows neither.
+//! names, headers, payloads and errors an application wrote show as text, and every
+//! such text goes through [`Shown`], which writes invisible, bidirectional and control
+//! characters as marked codes (`<U+202E>`). No inline script and no inline style: the
+//! Content-Security-Policy allows neither.
 
 use axum::http::StatusCode;
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
 
+use super::security::{Shown, plain};
 use super::{EventView, Overview, SubscriptionRow, SubscriptionView, percent};
 use pgbus::admin::{ConsumerInfo, FailedAttempt};
 
@@ -17,7 +20,7 @@ fn layout(title: &str, page: &str, allow_actions: bool, body: Markup) -> Markup 
             head {
                 meta charset="utf-8";
                 meta name="viewport" content="width=device-width, initial-scale=1";
-                title { (title) " · pgbus" }
+                title { (plain(title)) " · pgbus" }
                 link rel="stylesheet" href="/static/style.css";
                 script src="/static/app.js" defer {}
             }
@@ -49,7 +52,7 @@ pub(super) fn error_page(allow_actions: bool, status: StatusCode, message: &str)
         allow_actions,
         html! {
             h1 { (status.as_u16()) " " (status.canonical_reason().unwrap_or("error")) }
-            div.banner.failing role="alert" { (message) }
+            div.banner.failing role="alert" { (Shown(message)) }
             p { a href="/" { "Back to the overview" } }
         },
     )
@@ -88,7 +91,7 @@ fn event_href(id: &str) -> String {
 fn subscription_row(sub: &SubscriptionRow, cap: i64) -> Markup {
     html! {
         tr data-name=(sub.name) class=(sub.health) {
-            td.name { a href=(subscription_href(&sub.name)) { (sub.name) } }
+            td.name { a href=(subscription_href(&sub.name)) { (Shown(&sub.name)) } }
             td { span.health { (sub.health) } }
             td.due { (count(sub.due, cap)) }
             td.scheduled { (count(sub.scheduled, cap)) }
@@ -112,7 +115,7 @@ pub(super) fn overview(allow_actions: bool, overview: &Overview) -> Markup {
         allow_actions,
         html! {
             div #error.banner.failing role="alert" hidden[overview.error.is_none()] {
-                @if let Some(e) = &overview.error { "The database cannot be read: " (e) }
+                @if let Some(e) = &overview.error { "The database cannot be read: " (Shown(e)) }
             }
             h1 { "Subscriptions" }
             p.cluster {
@@ -164,8 +167,8 @@ fn failures_table(failures: &[FailedAttempt]) -> Markup {
                         tr {
                             td { (f.attempt) }
                             td { (time(&f.failed_at)) }
-                            td { (f.worker.as_deref().unwrap_or("(lease expired)")) }
-                            td { pre.error { (f.error) } }
+                            td { (Shown(f.worker.as_deref().unwrap_or("(lease expired)"))) }
+                            td { pre.error { (Shown(&f.error)) } }
                         }
                     }
                 }
@@ -190,10 +193,10 @@ pub(super) fn subscription(
         "subscription",
         allow_actions,
         html! {
-            @if let Some(done) = done { div.banner.healthy #done role="status" { (done) } }
-            h1 { "Subscription " span #name { (name) } }
+            @if let Some(done) = done { div.banner.healthy #done role="status" { (Shown(done)) } }
+            h1 { "Subscription " span #name { (Shown(name)) } }
             dl.settings {
-                dt { "Patterns" } dd #patterns { (settings.patterns.join(", ")) }
+                dt { "Patterns" } dd #patterns { (Shown(&settings.patterns.join(", "))) }
                 dt { "Max attempts" } dd { (settings.max_attempts) }
                 dt { "Ordered" } dd { (if settings.ordered { "yes" } else { "no" }) }
                 dt { "On a dead head" } dd { (serde_json::to_value(settings.on_dead).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()) }
@@ -215,7 +218,7 @@ pub(super) fn subscription(
                         button #retry-all type="submit" { "Retry every dead letter" }
                     }
                     form.purge method="post" action=(format!("{href}/purge"))
-                        data-confirm=(format!("Delete every dead letter of {name} for good?")) {
+                        data-confirm=(format!("Delete every dead letter of {} for good?", plain(name))) {
                         (csrf_field(csrf))
                         label { input type="checkbox" name="confirm" value="yes" required; " I mean it" }
                         button #purge type="submit" { "Purge every dead letter" }
@@ -237,10 +240,10 @@ pub(super) fn subscription(
                 @for d in &view.dead_letters {
                     details.dead-letter data-event-id=[d.dead.event_id.as_deref()] {
                         summary {
-                            span.event-name { (d.dead.event_name.as_deref().unwrap_or("(event gone)")) }
-                            " · " span.event-id { (d.dead.event_id.as_deref().unwrap_or("–")) }
+                            span.event-name { (Shown(d.dead.event_name.as_deref().unwrap_or("(event gone)"))) }
+                            " · " span.event-id { (Shown(d.dead.event_id.as_deref().unwrap_or("–"))) }
                             " · " (d.dead.attempts) " attempts · "
-                            span.last-error { (d.dead.last_error.as_deref().unwrap_or("")) }
+                            span.last-error { (Shown(d.dead.last_error.as_deref().unwrap_or(""))) }
                         }
                         @if let Some(id) = &d.dead.event_id {
                             p { a href=(event_href(id)) { "The event" } }
@@ -266,15 +269,15 @@ pub(super) fn subscription(
                     tbody {
                         @for k in &view.blocked_keys {
                             tr data-key=(k.key) {
-                                td.key { (k.key) }
-                                td { a href=(event_href(&k.event_id)) { (k.event_name) " " (k.event_id) } }
+                                td.key { (Shown(&k.key)) }
+                                td { a href=(event_href(&k.event_id)) { (Shown(&k.event_name)) " " (Shown(&k.event_id)) } }
                                 td { (k.attempts) }
-                                td { pre.error { (k.last_error.as_deref().unwrap_or("")) } }
+                                td { pre.error { (Shown(k.last_error.as_deref().unwrap_or(""))) } }
                                 td {
                                     span.waiting { (k.waiting) }
                                     ul.behind {
                                         @for w in view.waiting.iter().filter(|w| w.key == k.key) {
-                                            li data-event-id=(w.event_id) { a href=(event_href(&w.event_id)) { (w.event_name) " " (w.event_id) } }
+                                            li data-event-id=(w.event_id) { a href=(event_href(&w.event_id)) { (Shown(&w.event_name)) " " (Shown(&w.event_id)) } }
                                         }
                                     }
                                 }
@@ -311,12 +314,12 @@ fn consumers_table(consumers: &[ConsumerInfo]) -> Markup {
             tbody {
                 @for c in consumers {
                     tr {
-                        td { (c.id) }
-                        td { (c.subscriptions.join(", ")) }
+                        td { (Shown(&c.id)) }
+                        td { (Shown(&c.subscriptions.join(", "))) }
                         td { (if c.awake { "awake" } else { "asleep" }) }
                         td { (time(&c.last_heartbeat)) }
                         td { (time(&c.started_at)) }
-                        td { (c.info.as_deref().unwrap_or("")) }
+                        td { (Shown(c.info.as_deref().unwrap_or(""))) }
                     }
                 }
             }
@@ -364,26 +367,26 @@ pub(super) fn events(allow_actions: bool, q: Option<&str>, events: Option<&[Even
                     @for view in events {
                         @let e = &view.event;
                         section.event data-event-id=(e.id) {
-                            h2 { span.event-name { (e.name) } " " span.event-id { (e.id) } }
+                            h2 { span.event-name { (Shown(&e.name)) } " " span.event-id { (Shown(&e.id)) } }
                             table.envelope {
                                 tbody {
                                     tr { th { "Seq" } td { (e.seq.unwrap_or_default()) } }
-                                    tr { th { "Id" } td { (e.id) } }
-                                    tr { th { "Name" } td { (e.name) } }
+                                    tr { th { "Id" } td { (Shown(&e.id)) } }
+                                    tr { th { "Name" } td { (Shown(&e.name)) } }
                                     tr { th { "Version" } td { (e.version) } }
-                                    tr { th { "Source" } td { (e.source.as_deref().unwrap_or("")) } }
-                                    tr { th { "Aggregate" } td { (e.aggregate_type.as_deref().unwrap_or("")) " " (e.aggregate_id.as_deref().unwrap_or("")) } }
-                                    tr { th { "Correlation id" } td { @if let Some(c) = &e.correlation_id { a href=(event_href(c)) { (c) } } } }
-                                    tr { th { "Causation id" } td { (e.causation_id.as_deref().unwrap_or("")) } }
-                                    tr { th { "Ordering key" } td { (e.ordering_key.as_deref().unwrap_or("")) } }
+                                    tr { th { "Source" } td { (Shown(e.source.as_deref().unwrap_or(""))) } }
+                                    tr { th { "Aggregate" } td { (Shown(e.aggregate_type.as_deref().unwrap_or(""))) " " (Shown(e.aggregate_id.as_deref().unwrap_or(""))) } }
+                                    tr { th { "Correlation id" } td { @if let Some(c) = &e.correlation_id { a href=(event_href(c)) { (Shown(c)) } } } }
+                                    tr { th { "Causation id" } td { (Shown(e.causation_id.as_deref().unwrap_or(""))) } }
+                                    tr { th { "Ordering key" } td { (Shown(e.ordering_key.as_deref().unwrap_or(""))) } }
                                     tr { th { "Occurred at" } td { @if let Some(t) = &e.occurred_at { (time(t)) } } }
                                     tr { th { "Published at" } td { @if let Some(t) = &e.created_at { (time(t)) } } }
                                 }
                             }
                             h3 { "Headers" }
-                            pre.json.headers { (pretty(&e.headers)) }
+                            pre.json.headers { (Shown(&pretty(&e.headers))) }
                             h3 { "Payload" }
-                            pre.json.payload { (pretty(&e.payload)) }
+                            pre.json.payload { (Shown(&pretty(&e.payload))) }
                             h3 { "Deliveries" }
                             @if view.deliveries.is_empty() {
                                 p.empty { "No subscription has or matches this event." }
@@ -391,13 +394,13 @@ pub(super) fn events(allow_actions: bool, q: Option<&str>, events: Option<&[Even
                             @for d in &view.deliveries {
                                 div.delivery data-subscription=(d.delivery.subscription) {
                                     h4 {
-                                        a href=(subscription_href(&d.delivery.subscription)) { (d.delivery.subscription) }
+                                        a href=(subscription_href(&d.delivery.subscription)) { (Shown(&d.delivery.subscription)) }
                                         " " span class=(format!("status {}", d.delivery.status)) { (d.delivery.status) }
                                         @if let Some(a) = d.delivery.attempts { " · " (a) " attempts" }
-                                        @if let Some(k) = &d.delivery.ordering_key { " · key " (k) @if d.delivery.is_head == Some(false) { " (waiting behind its head)" } }
-                                        @if let Some(w) = &d.delivery.locked_by { " · held by " (w) }
+                                        @if let Some(k) = &d.delivery.ordering_key { " · key " (Shown(k)) @if d.delivery.is_head == Some(false) { " (waiting behind its head)" } }
+                                        @if let Some(w) = &d.delivery.locked_by { " · held by " (Shown(w)) }
                                     }
-                                    @if let Some(err) = &d.delivery.last_error { pre.error { (err) } }
+                                    @if let Some(err) = &d.delivery.last_error { pre.error { (Shown(err)) } }
                                     @if !d.failures.is_empty() { (failures_table(&d.failures)) }
                                 }
                             }
