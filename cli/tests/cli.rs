@@ -907,7 +907,8 @@ async fn demo_ignores_an_exported_database_url_and_runs_on_its_own_cluster() {
     let out = run(pgbus_on(&db), &["demo", "--seconds", "1", "--rate", "50"]).await;
     assert_eq!(out.code, 0, "{out:?}");
     assert!(
-        out.stderr.contains("starting a throwaway PostgreSQL cluster"),
+        out.stderr
+            .contains("starting a throwaway PostgreSQL cluster"),
         "{out:?}"
     );
     assert_eq!(

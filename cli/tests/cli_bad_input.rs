@@ -279,9 +279,18 @@ async fn a_password_on_the_command_line_is_refused_unshown_and_nothing_is_done()
             let out = pgbus_args(args);
             let err = stderr(&out);
             assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-            assert!(err.contains("--database-url holds a password"), "{args:?}: {err}");
-            assert!(err.contains("DATABASE_URL environment variable"), "{args:?}: {err}");
-            assert!(err.contains("PGPASSFILE") && err.contains("~/.pgpass"), "{err}");
+            assert!(
+                err.contains("--database-url holds a password"),
+                "{args:?}: {err}"
+            );
+            assert!(
+                err.contains("DATABASE_URL environment variable"),
+                "{args:?}: {err}"
+            );
+            assert!(
+                err.contains("PGPASSFILE") && err.contains("~/.pgpass"),
+                "{err}"
+            );
             assert!(!err.contains("s3cret"), "{args:?}: {err}");
         }
         let out = pgbus(

@@ -609,7 +609,10 @@ async fn sigquit_stops_at_once_and_still_ends_the_commands_whole_group_before_it
     )
     .await;
     proc::wait_settled(&client, "the retry to be acked").await;
-    assert_eq!(std::fs::read_to_string(dir.join("attempts")).unwrap(), "2\n");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("attempts")).unwrap(),
+        "2\n"
+    );
     assert_none_running(&group, "during the retry");
     assert_eq!(next.terminate().await, 0);
     let _ = std::fs::remove_dir_all(&dir);
@@ -647,7 +650,10 @@ async fn exec_environment(extra: &[&str]) -> (common::TestDb, Vec<(String, Strin
         .stdout(Stdio::null())
         .args(["consume", "-s", "env", "-p", "env.*"])
         .args(extra)
-        .args(["--exec", "cat > /dev/null; env > env.txt.tmp; mv env.txt.tmp env.txt"]);
+        .args([
+            "--exec",
+            "cat > /dev/null; env > env.txt.tmp; mv env.txt.tmp env.txt",
+        ]);
     let (mut child, _stderr) = start_consume(cmd).await;
     publish(&db, "env.dump", 1, "").await;
     common::wait_for("the command's environment", WAIT, || async {
@@ -690,11 +696,7 @@ async fn exec_commands_get_no_database_credentials() {
 #[tokio::test]
 async fn exec_database_env_passes_the_database_settings_on() {
     let (db, env) = exec_environment(&["--exec-database-env"]).await;
-    let get = |name: &str| {
-        env.iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.clone())
-    };
+    let get = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
     assert_eq!(get("DATABASE_URL"), Some(db.url()));
     assert_eq!(get("PGPASSWORD").as_deref(), Some("not-used-by-trust"));
     assert_eq!(get("PGBUS_LISTEN_URL"), Some(db.url()));

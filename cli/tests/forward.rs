@@ -51,9 +51,7 @@ impl Forwarder {
     }
 
     async fn spawn(mut cmd: tokio::process::Command, args: &[&str]) -> Forwarder {
-        cmd.args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        cmd.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().expect("spawning pgbus forward");
         let (ready_tx, mut ready) = mpsc::unbounded_channel();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();

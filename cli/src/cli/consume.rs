@@ -129,7 +129,12 @@ pub(crate) struct ConsumeArgs {
     /// LISTEN through this connection instead (e.g. a direct one, when DATABASE_URL
     /// goes through a transaction-mode pooler). A password in it is refused: give the URL
     /// in PGBUS_LISTEN_URL, or the password in the password file.
-    #[arg(long, value_name = "URL", env = "PGBUS_LISTEN_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "PGBUS_LISTEN_URL",
+        hide_env_values = true
+    )]
     listen_url: Option<String>,
     /// DATABASE_URL goes through a transaction-mode pooler (PgBouncer): the bus keeps its
     /// settings and statements within each transaction, and LISTENs only through
@@ -298,9 +303,7 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
                     "error: cannot start the watchdog of the commands (sh): {e}"
                 ))
             })?),
-            database_env: args
-                .exec_database_env
-                .then(|| url.map(str::to_string)),
+            database_env: args.exec_database_env.then(|| url.map(str::to_string)),
             removed_env: credential_variables(std::env::vars_os().map(|(k, _)| k)),
         },
         None => Sink::Stdout {
@@ -333,8 +336,7 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
                     Stop::Graceful(_) if !ctx.stop.is_cancelled() => ctx.stop.cancel(),
                     Stop::Graceful(_) => ctx.deadline.cancel(),
                     Stop::Immediate(name, code) => {
-                        *ctx.immediate_exit.lock().unwrap_or_else(|p| p.into_inner()) =
-                            Some(code);
+                        *ctx.immediate_exit.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
                         eprintln!(
                             "pgbus: {name}: stopping at once (commands still running get \
                              SIGTERM, then SIGKILL after {})",
@@ -444,7 +446,9 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
 /// The variables of pgbus's environment that carry the database's connection settings
 /// (credentials among them): DATABASE_URL and every PG* variable (PGPASSWORD,
 /// PGBUS_LISTEN_URL...). The --exec commands do not get them.
-fn credential_variables(names: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+fn credential_variables(
+    names: impl Iterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
     names
         .filter(|name| {
             let name = name.as_encoded_bytes();

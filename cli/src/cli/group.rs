@@ -73,13 +73,14 @@ impl Watchdog {
     /// Writes one line to the watchdog (a few bytes: never blocks while it reads).
     fn tell(&self, line: &str) {
         let mut input = self.input.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(pipe) = input.as_mut() {
-            if let Err(e) = pipe.write_all(line.as_bytes()) {
-                eprintln!(
-                    "pgbus: warning: the watchdog of the commands' process groups is gone ({e}):                      should pgbus be killed, the commands running then would run on"
-                );
-                *input = None;
-            }
+        if let Some(pipe) = input.as_mut()
+            && let Err(e) = pipe.write_all(line.as_bytes())
+        {
+            eprintln!(
+                "pgbus: warning: the watchdog of the commands' process groups is gone ({e}): \
+                 should pgbus be killed, the commands running then would run on"
+            );
+            *input = None;
         }
     }
 

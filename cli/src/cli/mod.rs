@@ -422,12 +422,13 @@ impl AllSignals {
         ];
         let immediate = [(S::QUIT, "SIGQUIT"), (S::ABORT, "SIGABRT")];
         let mut caught = Vec::new();
-        let list = graceful.iter().map(|&(s, name)| (s, Stop::Graceful(name))).chain(
-            immediate.iter().map(|&(s, name)| {
+        let list = graceful
+            .iter()
+            .map(|&(s, name)| (s, Stop::Graceful(name)))
+            .chain(immediate.iter().map(|&(s, name)| {
                 let code = 128 + u8::try_from(s.as_raw()).unwrap_or(0);
                 (s, Stop::Immediate(name, code))
-            }),
-        );
+            }));
         for (s, stop) in list {
             let name = match stop {
                 Stop::Graceful(name) | Stop::Immediate(name, _) => name,

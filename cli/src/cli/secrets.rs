@@ -22,16 +22,16 @@ pub(crate) fn pg_secrets(text: &str) -> Vec<String> {
             Some(q) => (&rest[..q], Some(&rest[q + 1..])),
             None => (rest, None),
         };
-        if let Some(at) = authority.rfind('@') {
-            if let Some((_, password)) = authority[..at].split_once(':') {
-                push_secret(&mut out, password);
-            }
+        if let Some(at) = authority.rfind('@')
+            && let Some((_, password)) = authority[..at].split_once(':')
+        {
+            push_secret(&mut out, password);
         }
         for pair in query.unwrap_or_default().split('&') {
-            if let Some((key, value)) = pair.split_once('=') {
-                if key.trim().eq_ignore_ascii_case("password") {
-                    push_secret(&mut out, value);
-                }
+            if let Some((key, value)) = pair.split_once('=')
+                && key.trim().eq_ignore_ascii_case("password")
+            {
+                push_secret(&mut out, value);
             }
         }
     } else {
@@ -78,19 +78,19 @@ pub(crate) fn redact(text: &str, secrets: &[String]) -> String {
 /// The part after `scheme://`, if `text` is a URL.
 fn after_scheme(text: &str) -> Option<&str> {
     let (scheme, rest) = text.trim().split_once("://")?;
-    (!scheme.is_empty() && scheme.chars().all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)))
-        .then_some(rest)
+    (!scheme.is_empty()
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)))
+    .then_some(rest)
 }
 
 /// Adds `raw` and its percent-decoded form.
 fn push_secret(out: &mut Vec<String>, raw: &str) {
-    if raw.is_empty() {
-        return;
-    }
-    out.push(raw.to_string());
-    let decoded = percent_decode(raw);
-    if decoded != raw && !decoded.is_empty() {
-        out.push(decoded);
+    for secret in [raw.to_string(), percent_decode(raw)] {
+        if !secret.is_empty() && !out.contains(&secret) {
+            out.push(secret);
+        }
     }
 }
 
@@ -100,12 +100,13 @@ fn percent_decode(text: &str) -> String {
     let mut i = 0;
     while i < bytes.len() {
         let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-                continue;
-            }
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2]))
+        {
+            out.push((h * 16 + l) as u8);
+            i += 3;
+            continue;
         }
         out.push(bytes[i]);
         i += 1;
@@ -126,16 +127,19 @@ fn keyword_passwords(text: &str, out: &mut Vec<String>) {
         let value = value.trim_start();
         let secret = if let Some(quoted) = value.strip_prefix('\'') {
             let mut secret = String::new();
-            let mut chars = quoted.chars();
-            while let Some(c) = chars.next() {
+            let mut end = quoted.len();
+            let mut chars = quoted.char_indices();
+            while let Some((at, c)) = chars.next() {
                 match c {
-                    '\\' => secret.extend(chars.next()),
-                    '\'' => break,
+                    '\\' => secret.extend(chars.next().map(|(_, c)| c)),
+                    '\'' => {
+                        end = at;
+                        break;
+                    }
                     c => secret.push(c),
                 }
             }
             // As written, too (with its backslashes).
-            let end = quoted.find('\'').unwrap_or(quoted.len());
             push_secret(out, &quoted[..end]);
             secret
         } else {
@@ -275,9 +279,15 @@ mod tests {
             pg_secrets("postgres://app@db/app?password=hunter2&sslmode=disable"),
             ["hunter2"]
         );
-        assert_eq!(pg_secrets("host=db user=app password=hunter2 dbname=x"), ["hunter2"]);
+        assert_eq!(
+            pg_secrets("host=db user=app password=hunter2 dbname=x"),
+            ["hunter2"]
+        );
         assert_eq!(pg_secrets("host=db password = 'x y' user=app"), ["x y"]);
-        assert_eq!(pg_secrets("host=db password='a b\\'c'"), ["a b\\'c", "a b'c"]);
+        assert_eq!(
+            pg_secrets("host=db password='a b\\'c'"),
+            ["a b\\'c", "a b'c"]
+        );
         // Malformed, still found.
         assert_eq!(pg_secrets("postgres://app:pa/ss@db:notaport/x"), ["pa/ss"]);
         for none in [
@@ -294,7 +304,10 @@ mod tests {
     fn nats_passwords_and_tokens_are_found() {
         assert_eq!(nats_secrets("nats://relay:pw123@nats:4222"), ["pw123"]);
         assert_eq!(nats_secrets("nats://tok3n@nats:4222"), ["tok3n"]);
-        assert_eq!(nats_secrets("nats://relay:pw/123@nats:99999999"), ["pw/123"]);
+        assert_eq!(
+            nats_secrets("nats://relay:pw/123@nats:99999999"),
+            ["pw/123"]
+        );
         assert!(nats_secrets("nats://nats:4222").is_empty());
         assert!(nats_secrets("tls://nats.example:4222").is_empty());
     }
