@@ -332,12 +332,13 @@ impl Acker {
     /// be what took the lease); dropping each frees its slot.
     fn applied(&self, part: Vec<SettleMsg>, settled: Settled, lost: Option<Arc<Error>>) {
         let mut retry_scheduled = false;
+        let mut unknown = Vec::new();
         for m in part {
             let key = m.key();
             let ok = !settled.rejected.contains(&(m.action.kind(), key.clone()));
             if !ok {
-                if let Some(lost) = &lost {
-                    self.unknown(m, lost);
+                if lost.is_some() {
+                    unknown.push(m);
                     continue;
                 }
                 self.stats.settled(&key.0, DeliveryOutcome::Stale);
@@ -367,23 +368,37 @@ impl Acker {
             // The claimer learns the next due retry from its next claim.
             self.wake.now();
         }
+        if let Some(lost) = lost.filter(|_| !unknown.is_empty()) {
+            self.unknown(unknown, &lost);
+        }
     }
 
-    /// Reports a settlement whose outcome nobody can know: counted as unknown, its
-    /// waiter gets [`Outcome::Unknown`] with the error of the try that was lost.
-    fn unknown(&self, m: SettleMsg, lost: &Arc<Error>) {
-        self.stats
-            .settled(&m.slot.sub().name, DeliveryOutcome::Unknown);
-        tracing::warn!(
-            messaging.destination.subscription.name = %m.slot.sub().name,
-            pgbus.event_seq = m.slot.seq(),
-            pgbus.attempt = m.slot.attempt(),
-            kind = m.action.kind(),
-            error = %lost,
-            "pgbus cannot tell whether a settlement was written: its connection was lost \
-             with the statement in flight; the delivery may or may not come back"
-        );
-        m.answer(Outcome::Unknown(lost.clone()));
+    /// Reports settlements whose outcome nobody can know: each counted as unknown, its
+    /// waiter given [`Outcome::Unknown`] with the error of the try that was lost; one log
+    /// line for them all.
+    fn unknown(&self, part: Vec<SettleMsg>, lost: &Arc<Error>) {
+        match part.as_slice() {
+            [m] => tracing::warn!(
+                messaging.destination.subscription.name = %m.slot.sub().name,
+                pgbus.event_seq = m.slot.seq(),
+                pgbus.attempt = m.slot.attempt(),
+                kind = m.action.kind(),
+                error = %lost,
+                "pgbus cannot tell whether a settlement was written: its connection was lost \
+                 with the statement in flight; the delivery may or may not come back"
+            ),
+            _ => tracing::warn!(
+                n = part.len(),
+                error = %lost,
+                "pgbus cannot tell whether settlements were written: their connection was lost \
+                 with the statement in flight; the deliveries may or may not come back"
+            ),
+        }
+        for m in part {
+            self.stats
+                .settled(&m.slot.sub().name, DeliveryOutcome::Unknown);
+            m.answer(Outcome::Unknown(lost.clone()));
+        }
     }
 
     /// Gives up settlements that could not be written: nothing is counted as done, the
@@ -393,9 +408,7 @@ impl Acker {
     fn given_up(&self, part: Vec<SettleMsg>, error: Arc<Error>, lost: Option<Arc<Error>>) {
         stats::add(&self.stats.settle_errors, 1);
         if let Some(lost) = lost {
-            for m in part {
-                self.unknown(m, &lost);
-            }
+            self.unknown(part, &lost);
             return;
         }
         match part.as_slice() {
