@@ -255,6 +255,14 @@ async fn sighup_stops_gracefully_and_ends_the_commands_whole_group() {
 }
 
 #[tokio::test]
+async fn sigusr1_and_the_other_ending_signals_stop_gracefully_too() {
+    // Their default action would end pgbus on the spot, its commands running on.
+    for signal_name in ["USR1", "ALRM"] {
+        stopped_at_the_deadline_by(signal_name).await;
+    }
+}
+
+#[tokio::test]
 async fn a_command_that_exits_0_when_told_to_stop_is_acked() {
     let db = common::test_db().await;
     let client = db.connect().await;
