@@ -128,7 +128,9 @@ impl Delivery {
     ///
     /// [`Error::LeaseLost`] when the lease had expired and the delivery was claimed
     /// again (nothing changed; it will be delivered again), [`Error::Closed`] when the bus
-    /// has stopped, [`Error::Settle`] when it could not be written.
+    /// has stopped, [`Error::Settle`] when it could not be written,
+    /// [`Error::SettleUnknown`] when nobody can tell whether it was (the connection was
+    /// lost with it in flight: the delivery may or may not come back).
     pub async fn ack(mut self) -> Result<()> {
         self.settle(Action::Ack).await
     }
@@ -317,6 +319,7 @@ impl Delivery {
             Ok(Outcome::Applied) => Ok(()),
             Ok(Outcome::Rejected) => Err(Error::LeaseLost),
             Ok(Outcome::Failed(error)) => Err(Error::Settle(error)),
+            Ok(Outcome::Unknown(error)) => Err(Error::SettleUnknown(error)),
             Err(_) => Err(Error::Closed),
         }
     }

@@ -92,6 +92,16 @@ pub enum Error {
     /// [`Error::code`] gives its SQLSTATE.
     #[error("could not record the settlement: {0}")]
     Settle(#[source] Arc<Error>),
+    /// The outcome of a settlement is unknown: its connection was lost with the
+    /// statement (or its `COMMIT`) in flight, so it may have been written or not, and a
+    /// later try could not tell (it found the lease gone, which the first try may have
+    /// done itself, or it could not be written either). The delivery may come back or
+    /// not; at-least-once delivery covers both. The connection error is its source.
+    #[error(
+        "the outcome of the settlement is unknown: the connection was lost while it was being \
+         written ({0}); the delivery may or may not be delivered again"
+    )]
+    SettleUnknown(#[source] Arc<Error>),
     /// The bus has shut down.
     #[error("the bus has shut down")]
     Closed,
@@ -121,7 +131,7 @@ impl Error {
     pub fn code(&self) -> Option<&SqlState> {
         match self {
             Error::Database(e) | Error::SchemaMissing(e) => e.code(),
-            Error::Settle(e) => e.code(),
+            Error::Settle(e) | Error::SettleUnknown(e) => e.code(),
             #[cfg(feature = "sqlx")]
             Error::Sqlx(e) => e.code.as_ref(),
             _ => None,
@@ -132,7 +142,7 @@ impl Error {
     pub fn as_db_error(&self) -> Option<&tokio_postgres::error::DbError> {
         match self {
             Error::Database(e) | Error::SchemaMissing(e) => e.as_db_error(),
-            Error::Settle(e) => e.as_db_error(),
+            Error::Settle(e) | Error::SettleUnknown(e) => e.as_db_error(),
             _ => None,
         }
     }
@@ -155,7 +165,7 @@ impl Error {
                     })
             }
             Error::Pool(_) => true,
-            Error::Settle(e) => e.is_connection(),
+            Error::Settle(e) | Error::SettleUnknown(e) => e.is_connection(),
             #[cfg(feature = "sqlx")]
             Error::Sqlx(e) => e.is_connection(),
             _ => false,
@@ -183,6 +193,9 @@ impl Error {
         match self {
             Error::Timeout(_) => true,
             Error::Settle(e) => e.is_transient(),
+            // Not the same statement to try again: the delivery is no longer this
+            // caller's to settle.
+            Error::SettleUnknown(_) => false,
             _ if self.is_connection() => true,
             _ => self.code().is_some_and(|c| transient_code(c.code())),
         }

@@ -34,7 +34,9 @@ use crate::error::Result;
 pub const PUBLISHED_EVENTS: &str = "pgbus_published_events_total";
 /// Counter `{subscription, outcome}`: settlements written, by outcome: `acked`, `failed`
 /// (a failed attempt that will be retried), `dead` (dead-lettered), `released` (given back
-/// unstarted or on request), `stale` (rejected: the lease had been taken over).
+/// unstarted or on request), `stale` (rejected: the lease had been taken over), `unknown`
+/// (the connection was lost with the settlement in flight, and no later try could tell
+/// whether it was written: see [`Error::SettleUnknown`](crate::Error::SettleUnknown)).
 pub const DELIVERIES: &str = "pgbus_deliveries_total";
 /// Counter `{source}`: what woke the claimer: `notify` (a notification), `poll` (the
 /// fallback poll timer), `catch-up` (the listener (re)connected), `linger` (a busy bus
@@ -85,7 +87,7 @@ pub fn describe() {
     describe_counter!(
         DELIVERIES,
         Unit::Count,
-        "Settlements written, by outcome: acked, failed, dead, released, stale"
+        "Settlements written, by outcome: acked, failed, dead, released, stale, unknown"
     );
     describe_counter!(
         WAKEUPS,
@@ -199,6 +201,8 @@ pub(crate) enum DeliveryOutcome {
     Dead,
     Released,
     Stale,
+    /// Written or not, nobody can tell (a connection lost in flight).
+    Unknown,
 }
 
 impl DeliveryOutcome {
@@ -209,6 +213,7 @@ impl DeliveryOutcome {
             DeliveryOutcome::Dead => "dead",
             DeliveryOutcome::Released => "released",
             DeliveryOutcome::Stale => "stale",
+            DeliveryOutcome::Unknown => "unknown",
         }
     }
 }

@@ -80,6 +80,9 @@ pub(crate) enum Outcome {
     Rejected,
     /// The settlement could not be written.
     Failed(Arc<Error>),
+    /// Nobody can tell whether it was written: a try's connection was lost with the
+    /// statement in flight (the error), and no later try could tell.
+    Unknown(Arc<Error>),
 }
 
 /// One settlement on its way to the acker, with the delivery's slot: freed once the
@@ -233,11 +236,16 @@ impl Acker {
     /// again if it fails, until the settlement at fault stands alone: only that one is
     /// given up (its waiter gets the error, its lease expires and the delivery returns);
     /// every other is written.
+    ///
+    /// A try whose connection was lost with the statement in flight may have been
+    /// written: from then on, a settlement a later try finds stale (its lease gone, maybe
+    /// by that first try's own doing) or that is given up has an unknown outcome, and is
+    /// reported and counted so ([`Outcome::Unknown`]), never as a lost lease.
     async fn write_batch(&self, batch: Vec<SettleMsg>, stop: &CancellationToken) {
-        let mut parts = vec![(batch, TRIES_BEFORE_SPLIT)];
-        while let Some((part, tries)) = parts.pop() {
-            match self.write_part(&part, tries, stop).await {
-                Ok(settled) => self.applied(part, settled),
+        let mut parts = vec![(batch, TRIES_BEFORE_SPLIT, None)];
+        while let Some((part, tries, mut lost)) = parts.pop() {
+            match self.write_part(&part, tries, stop, &mut lost).await {
+                Ok(settled) => self.applied(part, settled, lost),
                 Err(e) if part.len() > 1 && !e.is_transient() => {
                     if tries == TRIES_BEFORE_SPLIT {
                         tracing::warn!(
@@ -250,28 +258,31 @@ impl Acker {
                     // it came from was already retried.
                     let mut left = part;
                     let right = left.split_off(left.len() / 2);
-                    parts.push((right, 1));
-                    parts.push((left, 1));
+                    parts.push((right, 1, lost.clone()));
+                    parts.push((left, 1, lost));
                 }
-                Err(e) => self.given_up(part, e),
+                Err(e) => self.given_up(part, e, lost),
             }
         }
     }
 
     /// Runs the SETTLE statement for one batch (or part of one), retrying what passes.
+    /// The first error of a try whose statement was in flight when its connection was
+    /// lost goes to `lost`.
     async fn write_part(
         &self,
         part: &[SettleMsg],
         tries_allowed: u32,
         stop: &CancellationToken,
-    ) -> Result<Settled> {
+        lost: &mut Option<Arc<Error>>,
+    ) -> Result<Settled, Arc<Error>> {
         let mut tries: u32 = 0;
         let mut tries_stopping: u32 = 0;
         loop {
             if self.deadline.is_cancelled() {
-                return Err(Error::Timeout(
+                return Err(Arc::new(Error::Timeout(
                     "writing settlements before the shutdown deadline",
-                ));
+                )));
             }
             let e = match self.settle(part).await {
                 Ok(settled) => {
@@ -284,7 +295,13 @@ impl Acker {
                     }
                     return Ok(settled);
                 }
-                Err(e) => e,
+                Err(Try { error, in_flight }) => {
+                    let error = Arc::new(error);
+                    if in_flight && lost.is_none() {
+                        *lost = Some(error.clone());
+                    }
+                    error
+                }
             };
             tries += 1;
             if e.is_transient() {
@@ -311,13 +328,19 @@ impl Acker {
     }
 
     /// Counts and answers settlements the database confirmed (applied, or rejected as
-    /// stale); dropping each frees its slot.
-    fn applied(&self, part: Vec<SettleMsg>, settled: Settled) {
+    /// stale: unknown instead when an earlier try was `lost` in flight, as that try may
+    /// be what took the lease); dropping each frees its slot.
+    fn applied(&self, part: Vec<SettleMsg>, settled: Settled, lost: Option<Arc<Error>>) {
         let mut retry_scheduled = false;
+        let mut unknown = Vec::new();
         for m in part {
             let key = m.key();
             let ok = !settled.rejected.contains(&(m.action.kind(), key.clone()));
             if !ok {
+                if lost.is_some() {
+                    unknown.push(m);
+                    continue;
+                }
                 self.stats.settled(&key.0, DeliveryOutcome::Stale);
                 log_stale(&m);
             } else if let Action::Fail { error, .. } = &m.action {
@@ -345,12 +368,49 @@ impl Acker {
             // The claimer learns the next due retry from its next claim.
             self.wake.now();
         }
+        if let Some(lost) = lost.filter(|_| !unknown.is_empty()) {
+            self.unknown(unknown, &lost);
+        }
+    }
+
+    /// Reports settlements whose outcome nobody can know: each counted as unknown, its
+    /// waiter given [`Outcome::Unknown`] with the error of the try that was lost; one log
+    /// line for them all.
+    fn unknown(&self, part: Vec<SettleMsg>, lost: &Arc<Error>) {
+        match part.as_slice() {
+            [m] => tracing::warn!(
+                messaging.destination.subscription.name = %m.slot.sub().name,
+                pgbus.event_seq = m.slot.seq(),
+                pgbus.attempt = m.slot.attempt(),
+                kind = m.action.kind(),
+                error = %lost,
+                "pgbus cannot tell whether a settlement was written: its connection was lost \
+                 with the statement in flight; the delivery may or may not come back"
+            ),
+            _ => tracing::warn!(
+                n = part.len(),
+                error = %lost,
+                "pgbus cannot tell whether settlements were written: their connection was lost \
+                 with the statement in flight; the deliveries may or may not come back"
+            ),
+        }
+        for m in part {
+            self.stats
+                .settled(&m.slot.sub().name, DeliveryOutcome::Unknown);
+            m.answer(Outcome::Unknown(lost.clone()));
+        }
     }
 
     /// Gives up settlements that could not be written: nothing is counted as done, the
-    /// waiters get the error, and the leases will expire and the deliveries return.
-    fn given_up(&self, part: Vec<SettleMsg>, error: Error) {
+    /// waiters get the error, and the leases will expire and the deliveries return. If
+    /// an earlier try was `lost` in flight, they may have been written all the same:
+    /// each is reported unknown instead.
+    fn given_up(&self, part: Vec<SettleMsg>, error: Arc<Error>, lost: Option<Arc<Error>>) {
         stats::add(&self.stats.settle_errors, 1);
+        if let Some(lost) = lost {
+            self.unknown(part, &lost);
+            return;
+        }
         match part.as_slice() {
             [m] => tracing::error!(
                 messaging.destination.subscription.name = %m.slot.sub().name,
@@ -366,16 +426,17 @@ impl Acker {
                 "pgbus gave up writing settlements; the leases will expire and the deliveries return"
             ),
         }
-        let error = Arc::new(error);
         for m in part {
             m.answer(Outcome::Failed(error.clone()));
         }
     }
 
     /// Runs the SETTLE statement for a batch.
-    async fn settle(&self, batch: &[SettleMsg]) -> Result<Settled> {
+    async fn settle(&self, batch: &[SettleMsg]) -> Result<Settled, Try> {
         let columns = Columns::of(batch);
-        let client = self.db.get().await?;
+        let client = self.db.get().await.map_err(Try::not_sent)?;
+        // A connection already closed sends nothing.
+        let sent = !client.is_closed();
         let mut params = columns.params();
         let worker: &str = &self.worker;
         params.push(&worker);
@@ -391,10 +452,35 @@ impl Acker {
         );
         let stopped = self.db.unless_stopped(&client, &self.deadline, run);
         match stopped.instrument(span).await {
-            Some(rows) => Settled::read(rows?),
-            None => Err(Error::Timeout(
-                "writing settlements before the shutdown deadline",
-            )),
+            Some(Ok(rows)) => Settled::read(rows).map_err(Try::not_sent),
+            // The statement, or its COMMIT, may have been carried out before the
+            // connection went: an error that ends the connection leaves it unknown.
+            Some(Err(error)) => Err(Try {
+                in_flight: sent && error.is_connection(),
+                error,
+            }),
+            // Cancelled in flight: it may still commit.
+            None => Err(Try {
+                error: Error::Timeout("writing settlements before the shutdown deadline"),
+                in_flight: sent,
+            }),
+        }
+    }
+}
+
+/// A try of the SETTLE statement that failed.
+struct Try {
+    error: Error,
+    /// Whether the statement may have been carried out all the same: it was sent, and
+    /// its connection was lost (or it was cancelled) before its answer came.
+    in_flight: bool,
+}
+
+impl Try {
+    fn not_sent(error: Error) -> Try {
+        Try {
+            error,
+            in_flight: false,
         }
     }
 }

@@ -24,6 +24,11 @@ pub struct Stats {
     /// Settlements rejected because the lease had been taken over (stale worker), `ack_in`
     /// included.
     pub stale_rejected: u64,
+    /// Settlements whose outcome is unknown: the connection was lost with the statement
+    /// (or its `COMMIT`) in flight, and no later try could tell whether it had been
+    /// written ([`Error::SettleUnknown`](crate::Error::SettleUnknown)). Never counted as
+    /// stale: a retry that finds the lease gone may have found the first try's work.
+    pub unknown_outcomes: u64,
     /// Claim statements run.
     pub claims: u64,
     /// Wake-ups caused by a notification.
@@ -53,6 +58,7 @@ pub(crate) struct Counters {
     pub(crate) dead_lettered: AtomicU64,
     pub(crate) released: AtomicU64,
     pub(crate) stale_rejected: AtomicU64,
+    pub(crate) unknown_outcomes: AtomicU64,
     pub(crate) claims: AtomicU64,
     pub(crate) wakeups_by_notification: AtomicU64,
     pub(crate) wakeups_by_poll: AtomicU64,
@@ -70,7 +76,8 @@ pub(crate) fn add(counter: &AtomicU64, n: u64) {
 }
 
 impl Counters {
-    /// Counts a settlement the database confirmed, for `sub`.
+    /// Counts a settlement the database confirmed (or one whose outcome nobody can know),
+    /// for `sub`.
     pub(crate) fn settled(&self, sub: &Arc<str>, how: DeliveryOutcome) {
         match how {
             DeliveryOutcome::Acked => add(&self.delivered, 1),
@@ -81,6 +88,7 @@ impl Counters {
             }
             DeliveryOutcome::Released => add(&self.released, 1),
             DeliveryOutcome::Stale => add(&self.stale_rejected, 1),
+            DeliveryOutcome::Unknown => add(&self.unknown_outcomes, 1),
         }
         metrics::settled(sub, how);
     }
@@ -109,6 +117,7 @@ impl Counters {
             dead_lettered: r(&self.dead_lettered),
             released: r(&self.released),
             stale_rejected: r(&self.stale_rejected),
+            unknown_outcomes: r(&self.unknown_outcomes),
             claims: r(&self.claims),
             wakeups_by_notification: r(&self.wakeups_by_notification),
             wakeups_by_poll: r(&self.wakeups_by_poll),

@@ -1,6 +1,7 @@
 //! The workloads of `pgbus bench`.
 //!
-//! Each workload runs against `DATABASE_URL` or, when none is given, a throwaway cluster
+//! Each workload runs against the server `--database-url` names on the command line (never
+//! `DATABASE_URL` from the environment) or, when none is given, a throwaway cluster
 //! with PostgreSQL's durable defaults (fsync on, synchronous_commit on), in a database of
 //! its own created for each run (`CREATE DATABASE` + [`pgbus::migrate`]) and dropped after
 //! it, so runs never see each other's rows ([`pgbus_testkit::bench`], which the criterion
@@ -479,7 +480,7 @@ fn describe(machine: &Value, settings: &Value) -> String {
         if settings["embedded"].as_bool() == Some(true) {
             "throwaway cluster"
         } else {
-            "DATABASE_URL"
+            "--database-url"
         },
         s("fsync"),
         s("synchronous_commit"),

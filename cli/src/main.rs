@@ -6,7 +6,7 @@ mod cli;
 use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use cli::Failure;
 
@@ -19,7 +19,10 @@ use cli::Failure;
     long_about = None,
     after_help = "\
 Every command takes --database-url or DATABASE_URL (postgres://user:password@host/db, or
-libpq key=value pairs). Exit codes: 0 success, 1 failure, 2 bad usage or input (nothing
+libpq key=value pairs); a password belongs in DATABASE_URL or the password file
+(PGPASSFILE, ~/.pgpass), never on the command line, where `ps` shows it: --database-url
+with a password is refused. `pgbus demo` and `pgbus bench` ignore DATABASE_URL: they use
+their own throwaway cluster unless given --database-url. Exit codes: 0 success, 1 failure, 2 bad usage or input (nothing
 was done). A reader of standard output that goes away (`pgbus status | head -1`) ends a
 command quietly with 0, as SIGPIPE would; any other failure to write standard output (a
 full disk) is 1. `pgbus consume` is the exception: it cannot deliver without its output,
@@ -77,7 +80,20 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
-async fn run(cli: Cli) -> Result<(), Failure> {
+/// What the command line said, beyond [`Cli`]: whether `--database-url` was written on
+/// it (rather than taken from `DATABASE_URL`).
+#[derive(Debug, Clone, Copy)]
+struct Given {
+    database_url_on_command_line: bool,
+}
+
+async fn run(cli: Cli, given: Given) -> Result<(), Failure> {
+    // The demo and the benchmarks never use a database by accident (every sqlx project
+    // exports DATABASE_URL): only one named on their command line.
+    let explicit = cli
+        .database_url
+        .as_deref()
+        .filter(|_| given.database_url_on_command_line);
     let url = cli.database_url.as_deref();
     match cli.command {
         Command::Migrate => {
@@ -106,19 +122,58 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Sweep(args) => cli::admin::sweep(args, url).await,
         Command::Metrics(args) => cli::metrics::run(args, url).await,
         Command::Ui(args) => cli::ui::run(args, url).await,
-        Command::Demo(args) => cli::demo::run(args, url).await,
+        Command::Demo(args) => cli::demo::run(args, explicit).await,
         Command::Bench(args) => {
             if let Some(addr) = args.metrics_addr {
                 cli::metrics::serve(addr)?;
             }
-            bench::run(args, cli.database_url.as_deref()).await?;
+            // The memory workload's child is handed its database in DATABASE_URL by its
+            // parent (out of `ps`'s sight).
+            let url = if args.child { url } else { explicit };
+            bench::run(args, url).await?;
             Ok(())
         }
     }
 }
 
+/// Standard error for log lines, with the secrets pgbus was given masked.
+struct RedactingStderr(std::sync::Arc<Vec<String>>);
+
+impl std::io::Write for RedactingStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut stderr = std::io::stderr().lock();
+        if self.0.is_empty() {
+            stderr.write_all(buf)?;
+        } else {
+            // The formatter writes each log line at once.
+            let text = cli::secrets::redact(&String::from_utf8_lossy(buf), &self.0);
+            stderr.write_all(text.as_bytes())?;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    let secrets = std::sync::Arc::new(cli::secrets::known(&matches));
+    let given = Given {
+        database_url_on_command_line: matches!(
+            matches.value_source("database_url"),
+            Some(clap::parser::ValueSource::CommandLine)
+        ),
+    };
+    if let Err(f) = cli::secrets::refuse_on_command_line(&matches) {
+        eprintln!("{}", f.message);
+        return ExitCode::from(f.code);
+    }
     // The demo's dead letters are on purpose: their warnings would break its live view.
     let default_filter = match cli.command {
         Command::Demo(_) => "error",
@@ -129,7 +184,10 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_env("PGBUS_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
-        .with_writer(std::io::stderr)
+        .with_writer({
+            let secrets = secrets.clone();
+            move || RedactingStderr(secrets.clone())
+        })
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -142,14 +200,14 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let result = runtime.block_on(run(cli));
+    let result = runtime.block_on(run(cli, given));
     // Tasks still blocked (a connection, a command's output) must not hold the exit.
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
             if !f.message.is_empty() {
-                eprintln!("{}", f.message);
+                eprintln!("{}", cli::secrets::redact(&f.message, &secrets));
             }
             ExitCode::from(f.code)
         }

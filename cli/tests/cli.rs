@@ -900,6 +900,30 @@ async fn demo_runs_on_a_throwaway_cluster_and_removes_it() {
 }
 
 #[tokio::test]
+async fn demo_ignores_an_exported_database_url_and_runs_on_its_own_cluster() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    // As in every sqlx project's shell: DATABASE_URL exported, naming a real database.
+    let out = run(pgbus_on(&db), &["demo", "--seconds", "1", "--rate", "50"]).await;
+    assert_eq!(out.code, 0, "{out:?}");
+    assert!(
+        out.stderr
+            .contains("starting a throwaway PostgreSQL cluster"),
+        "{out:?}"
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pgbus.events").await,
+        0,
+        "the demo published into DATABASE_URL's database"
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pgbus.subscriptions").await,
+        0,
+        "the demo subscribed in DATABASE_URL's database"
+    );
+}
+
+#[tokio::test]
 async fn keys_lists_a_blocked_key_and_skip_lets_it_go_on() {
     let db = common::test_db().await;
     let client = db.connect().await;

@@ -251,3 +251,86 @@ async fn invalid_json_text_is_refused_and_writes_nothing() {
     let expected: Value = serde_json::from_str(&canonical).unwrap();
     assert_eq!(events(&db).await, [("order.placed".to_string(), expected)]);
 }
+
+/// Runs `pgbus ARGS` with no DATABASE_URL.
+fn pgbus_args(args: &[&str]) -> Output {
+    pgbus(None, &os(args), None)
+}
+
+#[tokio::test]
+async fn a_password_on_the_command_line_is_refused_unshown_and_nothing_is_done() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    // The test's database accepts any password: without the refusal these would run.
+    let keyword = format!("{} password=s3cretpw", db.url());
+    let quoted = format!("{} password='s3cret pw'", db.url());
+    for url in [
+        keyword.as_str(),
+        quoted.as_str(),
+        "postgres://app:s3cretpw@127.0.0.1:1/app",
+        "postgresql://app@127.0.0.1:1/app?sslmode=disable&password=s3cretpw",
+    ] {
+        for args in [
+            &["publish", "t.refused", "{}", "--database-url", url][..],
+            &["--database-url", url, "migrate"],
+            &["status", "--database-url", url],
+            &["demo", "--database-url", url],
+        ] {
+            let out = pgbus_args(args);
+            let err = stderr(&out);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+            assert!(
+                err.contains("--database-url holds a password"),
+                "{args:?}: {err}"
+            );
+            assert!(
+                err.contains("DATABASE_URL environment variable"),
+                "{args:?}: {err}"
+            );
+            assert!(
+                err.contains("PGPASSFILE") && err.contains("~/.pgpass"),
+                "{err}"
+            );
+            assert!(!err.contains("s3cret"), "{args:?}: {err}");
+        }
+        let out = pgbus(
+            Some(&db.url()),
+            &os(&["consume", "-s", "refused", "-p", "*", "--listen-url", url]),
+            None,
+        );
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("--listen-url holds a password"), "{err}");
+        assert!(err.contains("PGBUS_LISTEN_URL"), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
+    }
+    let events: i64 = client
+        .query_one("SELECT count(*) FROM pgbus.events", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let subscriptions: i64 = client
+        .query_one("SELECT count(*) FROM pgbus.subscriptions", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!((events, subscriptions), (0, 0));
+    // The same URL in DATABASE_URL is how it is meant to be given.
+    let out = pgbus(Some(&keyword), &os(&["publish", "t.fine", "{}"]), None);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[test]
+fn a_malformed_database_url_is_reported_without_its_password() {
+    for url in [
+        "postgres://app:s3cretpw@127.0.0.1:notaport/app",
+        "postgres://app:s3cret%2Fpw@127.0.0.1:99999999/app",
+        "host=127.0.0.1 port=nope password=s3cretpw",
+        "postgres://app:s3cretpw@[::1/app",
+    ] {
+        let out = pgbus(Some(url), &os(&["status"]), None);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{url}: {err}");
+        assert!(!err.contains("s3cret"), "{url}: {err}");
+    }
+}

@@ -255,6 +255,14 @@ async fn sighup_stops_gracefully_and_ends_the_commands_whole_group() {
 }
 
 #[tokio::test]
+async fn sigusr1_and_the_other_ending_signals_stop_gracefully_too() {
+    // Their default action would end pgbus on the spot, its commands running on.
+    for signal_name in ["USR1", "ALRM"] {
+        stopped_at_the_deadline_by(signal_name).await;
+    }
+}
+
+#[tokio::test]
 async fn a_command_that_exits_0_when_told_to_stop_is_acked() {
     let db = common::test_db().await;
     let client = db.connect().await;
@@ -548,4 +556,157 @@ async fn consume_stops_when_its_subscription_is_dropped() {
     let stderr = stderr.all().await;
     assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("was dropped"), "{stderr}");
+}
+
+/// The command of the signal tests: it ignores SIGTERM, writes its shell's pid and its
+/// background child's to `pids`, and runs for a minute.
+const STUBBORN: &str = "cat > /dev/null; trap '' TERM; echo $$ >> pids; sleep 60 & echo $! >> pids; \
+                        sleep 60; echo \"$PGBUS_EVENT_ID\" >> done.txt";
+
+#[tokio::test]
+async fn sigquit_stops_at_once_and_still_ends_the_commands_whole_group_before_its_retry() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let dir = scratch("sigquit");
+    // A shutdown deadline of a minute: a graceful stop would wait for it.
+    let consumer = Consumer::start_in(
+        &db,
+        &[
+            "-s",
+            "quit",
+            "-p",
+            "quit.*",
+            "--shutdown-timeout",
+            "60s",
+            "--kill-grace",
+            "1s",
+            "--retry-base",
+            "10ms",
+            "--exec",
+            STUBBORN,
+        ],
+        Some(&dir),
+    )
+    .await;
+    publish(&db, "quit.job", 1, "").await;
+    let group = wait_pids(&dir, "pids", 2).await;
+    let (code, stderr) = consumer.stop_with("QUIT", STOPS_WITHIN).await;
+    assert_eq!(code, 131, "{stderr}");
+    // Its whole group was gone before pgbus exited, and only then was the attempt
+    // recorded: the delivery is pending again (not leased to a dead consumer).
+    assert_none_running(&group, "after SIGQUIT");
+    assert!(!dir.join("done.txt").exists());
+    assert_eq!(
+        deliveries(&client).await,
+        vec![("pending".to_string(), 1, 1)],
+        "{stderr}"
+    );
+    // Its retry runs in the next consumer, with nothing of the first run left.
+    std::fs::remove_file(dir.join("pids")).unwrap();
+    let next = Consumer::start_in(
+        &db,
+        &[
+            "-s",
+            "quit",
+            "-p",
+            "quit.*",
+            "--exec",
+            "cat > /dev/null; echo \"$PGBUS_ATTEMPT\" >> attempts",
+        ],
+        Some(&dir),
+    )
+    .await;
+    proc::wait_settled(&client, "the retry to be acked").await;
+    assert_eq!(
+        std::fs::read_to_string(dir.join("attempts")).unwrap(),
+        "2\n"
+    );
+    assert_none_running(&group, "during the retry");
+    assert_eq!(next.terminate().await, 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_consumer_killed_with_sigkill_takes_its_commands_groups_with_it() {
+    let db = common::test_db().await;
+    let dir = scratch("sigkill");
+    let consumer = Consumer::start_in(
+        &db,
+        &["-s", "killed", "-p", "killed.*", "--exec", STUBBORN],
+        Some(&dir),
+    )
+    .await;
+    publish(&db, "killed.job", 1, "").await;
+    let group = wait_pids(&dir, "pids", 2).await;
+    consumer.kill_hard().await;
+    // The watchdog read the end of its input and killed the group (within WAIT).
+    wait_all_ended(&group).await;
+    assert!(!dir.join("done.txt").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The environment an --exec command of a consumer started with `extra` arguments got,
+/// with DATABASE_URL, PGBUS_LISTEN_URL, PGPASSWORD and PGAPPNAME in pgbus's own.
+async fn exec_environment(extra: &[&str]) -> (common::TestDb, Vec<(String, String)>) {
+    let db = common::test_db().await;
+    let dir = scratch("env");
+    let mut cmd = proc::pgbus_on(&db);
+    cmd.env("PGBUS_LISTEN_URL", db.url())
+        .env("PGPASSWORD", "not-used-by-trust")
+        .env("PGAPPNAME", "env-test")
+        .current_dir(&dir)
+        .stdout(Stdio::null())
+        .args(["consume", "-s", "env", "-p", "env.*"])
+        .args(extra)
+        .args([
+            "--exec",
+            "cat > /dev/null; env > env.txt.tmp; mv env.txt.tmp env.txt",
+        ]);
+    let (mut child, _stderr) = start_consume(cmd).await;
+    publish(&db, "env.dump", 1, "").await;
+    common::wait_for("the command's environment", WAIT, || async {
+        dir.join("env.txt").exists()
+    })
+    .await;
+    let env = std::fs::read_to_string(dir.join("env.txt"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    signal(child.id().unwrap(), "TERM").await;
+    common::within("consume to stop", WAIT, child.wait())
+        .await
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    (db, env)
+}
+
+#[tokio::test]
+async fn exec_commands_get_no_database_credentials() {
+    let (_db, env) = exec_environment(&[]).await;
+    let names: Vec<&str> = env.iter().map(|(k, _)| k.as_str()).collect();
+    assert!(names.contains(&"PATH"), "{names:?}");
+    assert!(names.contains(&"PGBUS_EVENT_ID"), "{names:?}");
+    let leaked: Vec<&&str> = names
+        .iter()
+        .filter(|n| {
+            (**n == "DATABASE_URL" || n.starts_with("PG"))
+                && !matches!(
+                    **n,
+                    "PGBUS_SUBSCRIPTION" | "PGBUS_EVENT_ID" | "PGBUS_EVENT_NAME" | "PGBUS_ATTEMPT"
+                )
+        })
+        .collect();
+    assert!(leaked.is_empty(), "the command got {leaked:?}");
+}
+
+#[tokio::test]
+async fn exec_database_env_passes_the_database_settings_on() {
+    let (db, env) = exec_environment(&["--exec-database-env"]).await;
+    let get = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    assert_eq!(get("DATABASE_URL"), Some(db.url()));
+    assert_eq!(get("PGPASSWORD").as_deref(), Some("not-used-by-trust"));
+    assert_eq!(get("PGBUS_LISTEN_URL"), Some(db.url()));
+    assert_eq!(get("PGAPPNAME").as_deref(), Some("env-test"));
 }

@@ -39,11 +39,19 @@ impl Forwarder {
     /// Starts `pgbus forward --nats-url URL ARGS` and waits until it forwards.
     async fn start_at(db: &common::TestDb, url: &str, args: &[&str]) -> Forwarder {
         let mut cmd = pgbus_on(db);
-        cmd.arg("forward")
-            .args(["--nats-url", url])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        cmd.arg("forward").args(["--nats-url", url]);
+        Forwarder::spawn(cmd, args).await
+    }
+
+    /// Starts `pgbus forward ARGS` with NATS_URL=URL and waits until it forwards.
+    async fn start_with_env(db: &common::TestDb, url: &str, args: &[&str]) -> Forwarder {
+        let mut cmd = pgbus_on(db);
+        cmd.env("NATS_URL", url).arg("forward");
+        Forwarder::spawn(cmd, args).await
+    }
+
+    async fn spawn(mut cmd: tokio::process::Command, args: &[&str]) -> Forwarder {
+        cmd.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().expect("spawning pgbus forward");
         let (ready_tx, mut ready) = mpsc::unbounded_channel();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
@@ -353,8 +361,9 @@ async fn a_user_and_password_in_the_nats_url_authenticate_the_forwarder() {
     let nats = NatsServer::start_with(&["--user", "relay", "--pass", "s3cret"])
         .await
         .unwrap();
+    // In NATS_URL: on the command line, `ps` would show the password (refused).
     let url = format!("nats://relay:s3cret@127.0.0.1:{}", nats.port());
-    let forwarder = Forwarder::start_at(&db, &url, &["-s", "auth", "-p", "auth.*"]).await;
+    let forwarder = Forwarder::start_with_env(&db, &url, &["-s", "auth", "-p", "auth.*"]).await;
     let client = db.connect().await;
     let event = Event::new("auth.checked", json!({"ok": true}));
     pgbus::publish(&client, &event).await.unwrap();
@@ -368,4 +377,49 @@ async fn a_user_and_password_in_the_nats_url_authenticate_the_forwarder() {
     let stored = read_all(&jetstream::new(reader), STREAM).await;
     assert_eq!(stored.len(), 1);
     assert_eq!(stored[0].id, event.id);
+}
+
+#[tokio::test]
+async fn credentials_in_nats_url_on_the_command_line_are_refused_unshown() {
+    let db = common::test_db().await;
+    for url in [
+        "nats://relay:s3cretpw@127.0.0.1:4222",
+        "nats://t0kenvalue@127.0.0.1:4222",
+    ] {
+        let out = run(
+            pgbus_on(&db),
+            &["forward", "-s", "refused", "-p", "*", "--nats-url", url],
+        )
+        .await;
+        assert_eq!(out.code, 2, "{out:?}");
+        assert!(out.stderr.contains("NATS_URL"), "{out:?}");
+        assert!(out.stderr.contains("--nats-creds"), "{out:?}");
+        assert!(
+            !out.stderr.contains("s3cretpw") && !out.stderr.contains("t0kenvalue"),
+            "{out:?}"
+        );
+    }
+    let client = db.connect().await;
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pgbus.subscriptions").await,
+        0
+    );
+}
+
+#[tokio::test]
+async fn a_malformed_nats_url_with_a_password_is_reported_without_it() {
+    let db = common::test_db().await;
+    for url in [
+        "nats://relay:s3cretpw@127.0.0.1:99999999",
+        "nats://relay:s3cret/pw@127.0.0.1:4222",
+        "nats://relay:s3cretpw@[::1",
+    ] {
+        let mut cmd = pgbus_on(&db);
+        cmd.env("NATS_URL", url);
+        let out = run(cmd, &["forward", "-s", "malformed", "-p", "*"]).await;
+        assert_eq!(out.code, 2, "{url}: {out:?}");
+        assert!(out.stderr.contains("is not valid"), "{url}: {out:?}");
+        assert!(!out.stderr.contains("s3cret"), "{url}: {out:?}");
+        assert!(out.stderr.contains("****"), "{url}: {out:?}");
+    }
 }

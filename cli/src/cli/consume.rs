@@ -20,9 +20,9 @@ use tokio::process::{Child, ChildStderr, ChildStdin};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::group::Group;
+use super::group::{Group, Watchdog};
 use super::output::LineWriter;
-use super::{Failure, StopSignals, failed, human_duration, parse_duration, usage};
+use super::{AllSignals, Failure, Stop, failed, human_duration, parse_duration, usage};
 
 /// How much of a failed command's standard error becomes the attempt's error.
 const STDERR_TAIL_BYTES: usize = 2048;
@@ -53,20 +53,30 @@ once the line is written and flushed:
 With --exec CMD, CMD runs under `sh -c` for each delivery with that JSON on standard
 input and PGBUS_SUBSCRIPTION, PGBUS_EVENT_ID, PGBUS_EVENT_NAME and PGBUS_ATTEMPT in its
 environment, and TRACEPARENT (and TRACESTATE) when the event carries a trace context (the
-headers traceparent and tracestate, as `pgbus publish` writes them): exit 0 acks; any other exit is a failed attempt whose error is the end of
-the command's standard error, retried with exponential backoff until --max-attempts, then
-a dead letter (see `pgbus dead`). The exit status alone decides: standard error still
-open when the command exits (a background child holds it) is read for 100ms more, then
-dropped. CMD runs in a process group of its own; whatever of the group still runs once
-CMD exited (background children) is stopped: SIGTERM, then SIGKILL after --kill-grace.
-A command past --timeout is stopped the same way and its attempt fails.
+headers traceparent and tracestate, as `pgbus publish` writes them): exit 0 acks; any
+other exit is a failed attempt whose error is the end of the command's standard error,
+retried with exponential backoff until --max-attempts, then a dead letter (see `pgbus
+dead`). The exit status alone decides: standard error still open when the command exits
+(a background child holds it) is read for 100ms more, then dropped. CMD runs in a
+process group of its own; whatever of the group still runs once CMD exited (background
+children) is stopped: SIGTERM, then SIGKILL after --kill-grace. A command past --timeout
+is stopped the same way and its attempt fails. A failed attempt is recorded only once
+nothing of its group runs: its retry never runs next to it.
 
-SIGINT, SIGTERM or SIGHUP stops it gracefully: nothing more is claimed, deliveries in
-progress finish (up to --shutdown-timeout), the rest are released for another consumer.
-At the deadline (or at a second signal) the commands still running get SIGTERM, then
-SIGKILL after --kill-grace, each to its whole process group: a command that exits 0
-meanwhile is acked, any other end is a failed attempt. Nothing pgbus started runs on
-after it exits.
+CMD gets no database credentials: DATABASE_URL, PGBUS_LISTEN_URL and every PG* variable
+are removed from its environment, unless --exec-database-env is given (then it gets them,
+with DATABASE_URL set to the database pgbus uses).
+
+SIGINT, SIGTERM or SIGHUP (and any other signal that would end pgbus, but SIGQUIT and
+SIGKILL) stops it gracefully: nothing more is claimed, deliveries in progress finish (up
+to --shutdown-timeout), the rest are released for another consumer. At the deadline (or
+at a second signal) the commands still running get SIGTERM, then SIGKILL after
+--kill-grace, each to its whole process group: a command that exits 0 meanwhile is
+acked, any other end is a failed attempt. SIGQUIT (or SIGABRT) stops it at once: the
+commands get SIGTERM, then SIGKILL after --kill-grace, their attempts are recorded, the
+rest released, and pgbus exits with 131 (134). Nothing pgbus started runs on after it
+exits, even if it is killed with SIGKILL: a watchdog process then kills the commands'
+process groups.
 
 Its own output failing is pgbus's failure, not the events': standard output closed (the
 reader went away), failing (a full disk), or taking no line for --output-timeout (a
@@ -74,7 +84,8 @@ reader that stopped reading) stops the consumer gracefully with exit 1, and the
 deliveries not printed go back to the subscription (one at most, the line being
 printed, is recorded as a failed attempt retried at once).
 
-Exit codes: 0 stopped by a signal; 1 a failure (the database, the output); 2 bad usage.")]
+Exit codes: 0 stopped by a signal; 1 a failure (the database, the output); 2 bad usage;
+131 (134) stopped at once by SIGQUIT (SIGABRT).")]
 pub(crate) struct ConsumeArgs {
     /// The subscription's name: created at start if new; an existing one is joined with
     /// its stored settings.
@@ -87,6 +98,11 @@ pub(crate) struct ConsumeArgs {
     /// Run this shell command for each delivery instead of printing it.
     #[arg(long, value_name = "CMD")]
     exec: Option<String>,
+    /// Pass the database's connection settings on to the --exec commands: DATABASE_URL
+    /// (the database pgbus uses), PGBUS_LISTEN_URL and the PG* variables (PGPASSWORD...).
+    /// Without it they are removed from the commands' environment.
+    #[arg(long, requires = "exec")]
+    exec_database_env: bool,
     /// How many deliveries are handled at once.
     #[arg(long, default_value_t = pgbus::DEFAULT_CONCURRENCY)]
     concurrency: usize,
@@ -111,8 +127,14 @@ pub(crate) struct ConsumeArgs {
     #[arg(long, conflicts_with = "listen_url")]
     poll_only: bool,
     /// LISTEN through this connection instead (e.g. a direct one, when DATABASE_URL
-    /// goes through a transaction-mode pooler).
-    #[arg(long, value_name = "URL")]
+    /// goes through a transaction-mode pooler). A password in it is refused: give the URL
+    /// in PGBUS_LISTEN_URL, or the password in the password file.
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "PGBUS_LISTEN_URL",
+        hide_env_values = true
+    )]
     listen_url: Option<String>,
     /// DATABASE_URL goes through a transaction-mode pooler (PgBouncer): the bus keeps its
     /// settings and statements within each transaction, and LISTENs only through
@@ -123,7 +145,8 @@ pub(crate) struct ConsumeArgs {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     shutdown_timeout: Duration,
     /// How long a --exec command's process group has, after SIGTERM, before SIGKILL (at
-    /// --timeout, at the shutdown deadline, and for what it left running after it exited).
+    /// --timeout, at the shutdown deadline, at SIGQUIT, and for what it left running after
+    /// it exited).
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     kill_grace: Duration,
     /// Stop (exit 1) when standard output takes no line for this long: nobody reads it
@@ -193,6 +216,13 @@ enum Sink {
     Exec {
         command: String,
         timeout: Option<Duration>,
+        /// Kills the commands' groups should pgbus die.
+        watchdog: Option<Arc<Watchdog>>,
+        /// `--exec-database-env`: the URL to give as DATABASE_URL; `None`: no database
+        /// settings at all.
+        database_env: Option<Option<String>>,
+        /// The variables removed from the commands' environment.
+        removed_env: Vec<std::ffi::OsString>,
     },
 }
 
@@ -209,6 +239,8 @@ struct Ctx {
     deadline: CancellationToken,
     /// The output failure that stopped the consumer: its exit.
     output_failure: Mutex<Option<Failure>>,
+    /// The exit code asked for by a signal that stops the consumer at once.
+    immediate_exit: Mutex<Option<u8>>,
 }
 
 impl Ctx {
@@ -266,6 +298,13 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         Some(command) => Sink::Exec {
             command,
             timeout: args.timeout,
+            watchdog: Some(Watchdog::start().map_err(|e| {
+                failed(format!(
+                    "error: cannot start the watchdog of the commands (sh): {e}"
+                ))
+            })?),
+            database_env: args.exec_database_env.then(|| url.map(str::to_string)),
+            removed_env: credential_variables(std::env::vars_os().map(|(k, _)| k)),
         },
         None => Sink::Stdout {
             writer: LineWriter::start()
@@ -284,19 +323,28 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         stop: CancellationToken::new(),
         deadline: CancellationToken::new(),
         output_failure: Mutex::new(None),
+        immediate_exit: Mutex::new(None),
     });
     // Signals are watched on a task of their own that does nothing else: no write, however
     // blocked, can keep it from stopping the consumer.
-    let mut signals = StopSignals::catch()?;
+    let mut signals = AllSignals::catch()?;
     let _watch = AbortOnDropHandle::new(tokio::spawn({
-        let (stop, deadline) = (ctx.stop.clone(), ctx.deadline.clone());
+        let ctx = ctx.clone();
         async move {
             loop {
-                signals.recv().await;
-                if stop.is_cancelled() {
-                    deadline.cancel();
-                } else {
-                    stop.cancel();
+                match signals.recv().await {
+                    Stop::Graceful(_) if !ctx.stop.is_cancelled() => ctx.stop.cancel(),
+                    Stop::Graceful(_) => ctx.deadline.cancel(),
+                    Stop::Immediate(name, code) => {
+                        *ctx.immediate_exit.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
+                        eprintln!(
+                            "pgbus: {name}: stopping at once (commands still running get \
+                             SIGTERM, then SIGKILL after {})",
+                            human_duration(ctx.kill_grace)
+                        );
+                        ctx.stop.cancel();
+                        ctx.deadline.cancel();
+                    }
                 }
             }
         }
@@ -364,6 +412,13 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
     // Whatever is still running cannot be settled any more: dropping it kills its
     // command's process group at once (its lease brings the delivery back).
     drop(work);
+    if let Sink::Exec {
+        watchdog: Some(watchdog),
+        ..
+    } = &ctx.sink
+    {
+        watchdog.stop().await;
+    }
     stopped?;
     eprintln!(
         "pgbus: stopped: {} acked, {} failed attempts, {} given back",
@@ -376,7 +431,30 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .take();
-    failure.map_or(Ok(()), Err)
+    if let Some(failure) = failure {
+        return Err(failure);
+    }
+    match *ctx.immediate_exit.lock().unwrap_or_else(|p| p.into_inner()) {
+        Some(code) => Err(Failure {
+            message: String::new(),
+            code,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The variables of pgbus's environment that carry the database's connection settings
+/// (credentials among them): DATABASE_URL and every PG* variable (PGPASSWORD,
+/// PGBUS_LISTEN_URL...). The --exec commands do not get them.
+fn credential_variables(
+    names: impl Iterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    names
+        .filter(|name| {
+            let name = name.as_encoded_bytes();
+            name == b"DATABASE_URL" || name.starts_with(b"PG")
+        })
+        .collect()
 }
 
 /// The JSON form of a delivery: one line on standard output, or a command's input.
@@ -457,21 +535,41 @@ async fn print_deliveries(mut subscription: Subscription, ctx: Arc<Ctx>) {
 /// Runs the command for one delivery, settles it by the command's exit status, then ends
 /// what the command left running.
 async fn exec_delivery(ctx: &Ctx, delivery: Delivery) {
-    let Sink::Exec { command, timeout } = &ctx.sink else {
+    let Sink::Exec {
+        command, timeout, ..
+    } = &ctx.sink
+    else {
         return;
     };
     let line = delivery_json(&delivery);
     let (result, group) = run_command(ctx, command, *timeout, &delivery, &line).await;
     match result {
-        Ok(()) => ack(ctx, delivery).await,
-        Err(error) => fail(ctx, delivery, error).await,
-    }
-    if let Some(group) = group {
-        // Dropped at the deadline: the group is killed at once.
-        tokio::select! {
-            () = group.end(ctx.kill_grace) => {}
-            () = ctx.deadline.cancelled() => {}
+        Ok(()) => {
+            ack(ctx, delivery).await;
+            if let Some(mut group) = group {
+                end_group(ctx, &mut group).await;
+            }
         }
+        Err(error) => {
+            // Recorded only once nothing of the command runs: its retry (here or in
+            // another consumer) never runs next to it.
+            if let Some(mut group) = group {
+                end_group(ctx, &mut group).await;
+            }
+            fail(ctx, delivery, error).await;
+        }
+    }
+}
+
+/// Ends what is left of a command's group: SIGTERM, --kill-grace, SIGKILL; from the
+/// deadline on, SIGKILL at once. Returns once nothing of it runs.
+async fn end_group(ctx: &Ctx, group: &mut Group) {
+    let at_deadline = tokio::select! {
+        () = group.end(ctx.kill_grace) => false,
+        () = ctx.deadline.cancelled() => true,
+    };
+    if at_deadline {
+        group.kill().await;
     }
 }
 
@@ -540,8 +638,28 @@ async fn run_command(
     delivery: &Delivery,
     input: &str,
 ) -> (Result<(), String>, Option<Group>) {
+    let Sink::Exec {
+        watchdog,
+        database_env,
+        removed_env,
+        ..
+    } = &ctx.sink
+    else {
+        return (Err("not a command sink".to_string()), None);
+    };
     let event = delivery.event();
     let mut sh = tokio::process::Command::new("sh");
+    match database_env {
+        None => {
+            for name in removed_env {
+                sh.env_remove(name);
+            }
+        }
+        Some(Some(url)) => {
+            sh.env("DATABASE_URL", url);
+        }
+        Some(None) => {}
+    }
     trace_env(&mut sh, event);
     let spawned = sh
         .arg("-c")
@@ -563,7 +681,7 @@ async fn run_command(
         Err(e) => return (Err(format!("could not start sh: {e}")), None),
     };
     // From here on, the group is killed if this future is dropped.
-    let group = Group::led_by(child.id());
+    let group = Group::led_by(child.id(), watchdog.clone());
     let stdin = child.stdin.take();
     let mut stderr = child.stderr.take();
     let mut tail = Vec::new();

@@ -31,11 +31,12 @@ Examples:
   cargo run --release -- demo
   pgbus demo --seconds 30 --rate 1000
 
-Without DATABASE_URL it starts a throwaway PostgreSQL cluster (initdb in a temporary
-directory, Unix socket only; needs PostgreSQL's server binaries, found on PATH, in
-PG_BIN_DIR or under /usr/lib/postgresql), and removes it at the end. With DATABASE_URL it
-uses that database: it migrates it and leaves its demo.* events and demo-* subscriptions
-behind.")]
+It starts a throwaway PostgreSQL cluster (initdb in a temporary directory, Unix socket
+only; needs PostgreSQL's server binaries, found on PATH, in PG_BIN_DIR or under
+/usr/lib/postgresql), and removes it at the end. DATABASE_URL is ignored (every sqlx
+project exports one): only with --database-url on its command line does it use a
+database of yours, which it migrates and leaves its demo.* events and demo-*
+subscriptions in.")]
 pub(crate) struct DemoArgs {
     /// How long to run, in seconds (Ctrl-C stops it sooner).
     #[arg(long, default_value_t = 10)]

@@ -217,9 +217,14 @@ impl JetStream {
         }
         let mut servers = Vec::new();
         for url in &args.urls {
-            let addr: async_nats::ServerAddr = url
-                .parse()
-                .map_err(|e| usage(format!("error: --nats-url {url:?} is not valid: {e}")))?;
+            let addr: async_nats::ServerAddr = url.parse().map_err(|e| {
+                // Its password or token is never shown.
+                let secrets = super::secrets::nats_secrets(url);
+                usage(super::secrets::redact(
+                    &format!("error: --nats-url {url:?} is not valid: {e}"),
+                    &secrets,
+                ))
+            })?;
             servers.push(addr);
         }
         // Credentials in a URL (the first that has any): user and password, or a token.
@@ -230,10 +235,17 @@ impl JetStream {
                 None => options.token(user),
             };
         }
-        let client = options
-            .connect(servers)
-            .await
-            .map_err(|e| failed(format!("error: cannot connect to NATS: {e}")))?;
+        let client = options.connect(servers).await.map_err(|e| {
+            let secrets: Vec<String> = args
+                .urls
+                .iter()
+                .flat_map(|u| super::secrets::nats_secrets(u))
+                .collect();
+            failed(super::secrets::redact(
+                &format!("error: cannot connect to NATS: {e}"),
+                &secrets,
+            ))
+        })?;
         let mut context = jetstream::new(client);
         context.set_timeout(args.publish_timeout);
         ensure_stream(&context, stream, prefix, lease).await?;

@@ -13,6 +13,7 @@ pub(crate) mod jetstream;
 pub(crate) mod keys;
 pub(crate) mod metrics;
 pub(crate) mod publish;
+pub(crate) mod secrets;
 pub(crate) mod status;
 pub(crate) mod ui;
 
@@ -375,6 +376,81 @@ impl StopSignals {
             _ = self.terminate.recv() => "SIGTERM",
             _ = self.hangup.recv() => "SIGHUP",
         }
+    }
+}
+
+/// How a signal asks `pgbus consume` to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stop {
+    /// Finish what is in progress, up to the shutdown deadline (SIGINT, SIGTERM, SIGHUP,
+    /// and every other signal whose default action would end the process).
+    Graceful(&'static str),
+    /// Stop at once, still ending every command started, then exit with this code (128
+    /// plus the signal's number, as a shell reports a death by it): SIGQUIT, SIGABRT.
+    Immediate(&'static str, u8),
+}
+
+/// Every signal whose default action would end the process (where it can be caught:
+/// not SIGKILL, nor the faults SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP and SIGSYS,
+/// which a process raises on itself), caught from the moment this returns. SIGPIPE is
+/// left ignored, as Rust programs have it (a closed pipe is a write error). The
+/// real-time signals are not caught: pgbus's watchdog ends the commands' process
+/// groups however pgbus ends.
+#[derive(Debug)]
+pub(crate) struct AllSignals {
+    caught: Vec<(tokio::signal::unix::Signal, Stop)>,
+}
+
+impl AllSignals {
+    pub(crate) fn catch() -> Result<AllSignals, Failure> {
+        use rustix::process::Signal as S;
+        use tokio::signal::unix::{SignalKind, signal};
+        let graceful = [
+            (S::INT, "SIGINT"),
+            (S::TERM, "SIGTERM"),
+            (S::HUP, "SIGHUP"),
+            (S::USR1, "SIGUSR1"),
+            (S::USR2, "SIGUSR2"),
+            (S::ALARM, "SIGALRM"),
+            (S::VTALARM, "SIGVTALRM"),
+            (S::PROF, "SIGPROF"),
+            (S::IO, "SIGIO"),
+            (S::POWER, "SIGPWR"),
+            (S::STKFLT, "SIGSTKFLT"),
+            (S::XCPU, "SIGXCPU"),
+            (S::XFSZ, "SIGXFSZ"),
+        ];
+        let immediate = [(S::QUIT, "SIGQUIT"), (S::ABORT, "SIGABRT")];
+        let mut caught = Vec::new();
+        let list = graceful
+            .iter()
+            .map(|&(s, name)| (s, Stop::Graceful(name)))
+            .chain(immediate.iter().map(|&(s, name)| {
+                let code = 128 + u8::try_from(s.as_raw()).unwrap_or(0);
+                (s, Stop::Immediate(name, code))
+            }));
+        for (s, stop) in list {
+            let name = match stop {
+                Stop::Graceful(name) | Stop::Immediate(name, _) => name,
+            };
+            let signal = signal(SignalKind::from_raw(s.as_raw()))
+                .map_err(|e| failed(format!("error: cannot catch {name}: {e}")))?;
+            caught.push((signal, stop));
+        }
+        Ok(AllSignals { caught })
+    }
+
+    /// Completes at the next of them; returns what it asks for.
+    pub(crate) async fn recv(&mut self) -> Stop {
+        std::future::poll_fn(|cx| {
+            for (signal, stop) in &mut self.caught {
+                if let std::task::Poll::Ready(Some(())) = signal.poll_recv(cx) {
+                    return std::task::Poll::Ready(*stop);
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await
     }
 }
 
