@@ -39,22 +39,24 @@
 //! # Ok::<(), pgbus::Error>(())
 //! ```
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::BoxFuture;
-use futures::{FutureExt, Stream, StreamExt};
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore};
-use tokio_postgres::config::Host;
+use futures::{Stream, StreamExt};
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
-use tokio_postgres::{AsyncMessage, CancelToken, Client, Socket};
+use tokio_postgres::{AsyncMessage, Client};
+
+mod passfile;
+mod startup;
+mod tls;
+
+pub use startup::{DEFAULT_CONNECT_TIMEOUT, ServerStream};
+
+use startup::{Connector, Erased};
+use tls::{Roots, rustls_connector, unverified_config};
 
 use crate::error::{Error, Result};
 
@@ -120,52 +122,6 @@ impl FromStr for SslMode {
 pub type Messages =
     Pin<Box<dyn Stream<Item = std::result::Result<AsyncMessage, tokio_postgres::Error>> + Send>>;
 
-/// A TLS connector with its type erased, so that one [`ConnectConfig`] can carry rustls or
-/// a caller's own connector.
-trait Connector: Send + Sync {
-    fn connect<'a>(
-        &'a self,
-        config: &'a tokio_postgres::Config,
-    ) -> BoxFuture<'a, std::result::Result<(Client, Messages), tokio_postgres::Error>>;
-
-    fn cancel(
-        &self,
-        token: CancelToken,
-    ) -> BoxFuture<'static, std::result::Result<(), tokio_postgres::Error>>;
-}
-
-struct Erased<T>(T);
-
-impl<T> Connector for Erased<T>
-where
-    T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
-    T::Stream: Send + 'static,
-    T::TlsConnect: Send,
-    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
-{
-    fn connect<'a>(
-        &'a self,
-        config: &'a tokio_postgres::Config,
-    ) -> BoxFuture<'a, std::result::Result<(Client, Messages), tokio_postgres::Error>> {
-        let tls = self.0.clone();
-        async move {
-            let (client, mut connection) = config.connect(tls).await?;
-            let messages: Messages =
-                futures::stream::poll_fn(move |cx| connection.poll_message(cx)).boxed();
-            Ok((client, messages))
-        }
-        .boxed()
-    }
-
-    fn cancel(
-        &self,
-        token: CancelToken,
-    ) -> BoxFuture<'static, std::result::Result<(), tokio_postgres::Error>> {
-        let tls = self.0.clone();
-        async move { token.cancel_query(tls).await }.boxed()
-    }
-}
-
 /// The TLS settings read from a connection string and the environment.
 #[derive(Debug, Clone, Default)]
 struct Ssl {
@@ -173,6 +129,60 @@ struct Ssl {
     root_cert: Option<String>,
     cert: Option<String>,
     key: Option<String>,
+}
+
+/// libpq's `target_session_attrs`: what the server connected to must be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SessionAttrs {
+    Any,
+    ReadWrite,
+    ReadOnly,
+    Primary,
+    Standby,
+    PreferStandby,
+}
+
+impl SessionAttrs {
+    fn parse(what: &'static str, value: &str) -> Result<Self> {
+        Ok(match value {
+            "any" => SessionAttrs::Any,
+            "read-write" => SessionAttrs::ReadWrite,
+            "read-only" => SessionAttrs::ReadOnly,
+            "primary" => SessionAttrs::Primary,
+            "standby" => SessionAttrs::Standby,
+            "prefer-standby" => SessionAttrs::PreferStandby,
+            other => {
+                return Err(Error::invalid(
+                    what,
+                    format!(
+                        "{other:?} is not one of any, read-write, read-only, primary, standby, \
+                         prefer-standby"
+                    ),
+                ));
+            }
+        })
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            SessionAttrs::Any => "any",
+            SessionAttrs::ReadWrite => "read-write",
+            SessionAttrs::ReadOnly => "read-only",
+            SessionAttrs::Primary => "primary",
+            SessionAttrs::Standby => "standby",
+            SessionAttrs::PreferStandby => "prefer-standby",
+        }
+    }
+}
+
+/// libpq's `connect_timeout`: whole seconds; 0 or less waits forever, and 1 is taken as
+/// 2. `None` for "forever".
+fn parse_timeout(what: &'static str, value: &str) -> Result<Option<Duration>> {
+    let secs: i64 = value
+        .trim()
+        .parse()
+        .map_err(|_| Error::invalid(what, format!("{value:?} is not a whole number of seconds")))?;
+    Ok((secs > 0).then(|| Duration::from_secs(secs.max(2) as u64)))
 }
 
 /// Where and how to connect (see the [module docs](self)): a `tokio_postgres::Config`,
@@ -183,6 +193,14 @@ pub struct ConnectConfig {
     mode: SslMode,
     connector: Arc<dyn Connector>,
     pooler: bool,
+    /// `connect_timeout=0`: no startup bound.
+    unbounded: bool,
+    session: SessionAttrs,
+    /// The password file, read at each connection for the host it connects to, when
+    /// no password was given.
+    passfile: Option<PathBuf>,
+    /// The caller's connector is `NoTls`: `prefer` does not ask for TLS.
+    no_tls: bool,
 }
 
 impl std::fmt::Debug for ConnectConfig {
@@ -192,6 +210,7 @@ impl std::fmt::Debug for ConnectConfig {
             .field("config", &self.pg)
             .field("sslmode", &self.mode)
             .field("pooler", &self.pooler)
+            .field("target_session_attrs", &self.session.as_str())
             .finish_non_exhaustive()
     }
 }
@@ -231,37 +250,55 @@ impl ConnectConfig {
         })?;
         let mut ssl = Ssl::default();
         let mut passfile = None;
+        let mut timeout = None;
+        let mut session = None;
         for (key, value) in ours {
             match key.as_str() {
                 "sslmode" => ssl.mode = Some(value.parse()?),
                 "sslrootcert" => ssl.root_cert = Some(value),
                 "sslcert" => ssl.cert = Some(value),
                 "sslkey" => ssl.key = Some(value),
+                "connect_timeout" => timeout = Some(parse_timeout("connect_timeout", &value)?),
+                "target_session_attrs" => {
+                    session = Some(SessionAttrs::parse("target_session_attrs", &value)?);
+                }
                 _ => passfile = Some(value),
             }
         }
         fill_from_env(&mut pg, &mut ssl, &env)?;
-        if pg.get_hosts().is_empty() {
+        if timeout.is_none()
+            && let Some(value) = env("PGCONNECT_TIMEOUT").filter(|v| !v.is_empty())
+        {
+            timeout = Some(parse_timeout("PGCONNECT_TIMEOUT", &value)?);
+        }
+        if let Some(Some(bound)) = timeout {
+            pg.connect_timeout(bound);
+        }
+        if session.is_none()
+            && let Some(value) = env("PGTARGETSESSIONATTRS").filter(|v| !v.is_empty())
+        {
+            session = Some(SessionAttrs::parse("PGTARGETSESSIONATTRS", &value)?);
+        }
+        if pg.get_hosts().is_empty() && pg.get_hostaddrs().is_empty() {
             return Err(Error::invalid(
                 "connection string",
                 "no host: name one in the connection string or in PGHOST",
             ));
         }
-        let Some(user) = pg.get_user().map(str::to_string) else {
+        if pg.get_user().is_none() {
             return Err(Error::invalid(
                 "connection string",
                 "no user: name one in the connection string or in PGUSER",
             ));
-        };
-        if pg.get_password().is_none() {
-            let file = passfile
-                .or_else(|| env("PGPASSFILE"))
-                .or_else(|| env("HOME").map(|h| format!("{h}/.pgpass")));
-            if let Some(password) = file.and_then(|f| password_from_file(Path::new(&f), &pg, &user))
-            {
-                pg.password(password);
-            }
         }
+        let passfile = (pg.get_password().is_none())
+            .then(|| {
+                passfile
+                    .or_else(|| env("PGPASSFILE").filter(|v| !v.is_empty()))
+                    .or_else(|| env("HOME").map(|h| format!("{h}/.pgpass")))
+            })
+            .flatten()
+            .map(PathBuf::from);
         let home_root = env("HOME")
             .map(|h| PathBuf::from(h).join(".postgresql/root.crt"))
             .filter(|p| p.is_file());
@@ -282,6 +319,10 @@ impl ConnectConfig {
             mode,
             connector,
             pooler: false,
+            unbounded: timeout == Some(None),
+            session: session.unwrap_or(SessionAttrs::Any),
+            passfile,
+            no_tls: false,
         })
     }
 
@@ -301,16 +342,43 @@ impl ConnectConfig {
     }
 
     /// Connects through the caller's TLS connector instead of the one `sslmode` built
-    /// (its `sslmode` still decides whether TLS is asked for).
+    /// (its `sslmode` still decides whether TLS is asked for). The connector wraps a
+    /// [`ServerStream`], which every connector generic over its stream accepts; the
+    /// startup bound and the phases of [`Error::Connect`] hold as with pgbus's own.
     pub fn with_tls<T>(mut self, tls: T) -> Self
     where
-        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T: MakeTlsConnect<ServerStream> + Clone + Send + Sync + 'static,
         T::Stream: Send + 'static,
-        T::TlsConnect: Send,
-        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+        T::TlsConnect: Send + 'static,
+        <T::TlsConnect as TlsConnect<ServerStream>>::Future: Send + 'static,
+        <T::TlsConnect as TlsConnect<ServerStream>>::Error: 'static,
     {
+        self.no_tls =
+            std::any::TypeId::of::<T>() == std::any::TypeId::of::<tokio_postgres::NoTls>();
         self.connector = Arc::new(Erased(tls));
         self
+    }
+
+    /// Sets the startup bound: how long each attempt to connect to a host may take as
+    /// a whole (TCP, TLS, authentication, up to the server's first ReadyForQuery)
+    /// before the next host is tried; `None` waits forever (as `connect_timeout=0`),
+    /// whatever [`pg_config`](Self::pg_config) says. The connection string's
+    /// `connect_timeout` (or `PGCONNECT_TIMEOUT`) sets it; without either it is
+    /// [`DEFAULT_CONNECT_TIMEOUT`].
+    pub fn connect_timeout(mut self, bound: Option<Duration>) -> Self {
+        match bound {
+            Some(bound) => {
+                self.pg.connect_timeout(bound);
+                self.unbounded = false;
+            }
+            None => self.unbounded = true,
+        }
+        self
+    }
+
+    /// The startup bound of each attempt (see [`ConnectConfig::connect_timeout`]).
+    pub fn startup_timeout(&self) -> Option<Duration> {
+        self.bound(&self.pg)
     }
 
     /// Says whether this address is a transaction-mode pooler such as PgBouncer (default
@@ -332,8 +400,10 @@ impl ConnectConfig {
     ///
     /// # Errors
     ///
-    /// [`Error::Database`] when the server cannot be reached, refuses the login, or its
-    /// certificate fails the checks `sslmode` asks for.
+    /// [`Error::Connect`] when no host could be reached within the startup bound,
+    /// refused the login, was not a PostgreSQL server, or its certificate failed the
+    /// checks `sslmode` asks for; the error names the host, the port and what pgbus was
+    /// waiting for.
     pub async fn connect(&self) -> Result<Client> {
         let (client, messages) = self.connect_raw(&self.pg).await?;
         tokio::spawn(drive(messages));
@@ -347,25 +417,22 @@ impl ConnectConfig {
     ///
     /// As [`ConnectConfig::connect`].
     pub async fn connect_with_messages(&self) -> Result<(Client, Messages)> {
-        Ok(self.connect_raw(&self.pg).await?)
+        self.connect_raw(&self.pg).await
     }
 
-    /// Connects with `config` (this one's, changed) through this TLS connector; the
-    /// caller drives the messages.
+    /// Connects with `config` (this one's, changed) through this TLS connector, within
+    /// the startup bound; the caller drives the messages.
     pub(crate) async fn connect_raw(
         &self,
         config: &tokio_postgres::Config,
-    ) -> std::result::Result<(Client, Messages), tokio_postgres::Error> {
-        self.connector.connect(config).await
+    ) -> Result<(Client, Messages)> {
+        self.open(config).await
     }
 
     /// Sends a cancel request for `client`'s statement in flight, over this TLS
     /// connector.
-    pub(crate) async fn cancel(
-        &self,
-        client: &Client,
-    ) -> std::result::Result<(), tokio_postgres::Error> {
-        self.connector.cancel(client.cancel_token()).await
+    pub(crate) async fn cancel(&self, client: &Client) -> Result<()> {
+        self.cancel_everywhere(client).await
     }
 }
 
@@ -387,6 +454,10 @@ impl From<tokio_postgres::Config> for ConnectConfig {
             tokio_postgres::config::SslMode::Require => SslMode::Require,
             _ => SslMode::Prefer,
         };
+        let session = match pg.get_target_session_attrs() {
+            tokio_postgres::config::TargetSessionAttrs::ReadWrite => SessionAttrs::ReadWrite,
+            _ => SessionAttrs::Any,
+        };
         ConnectConfig {
             pg,
             mode,
@@ -394,6 +465,10 @@ impl From<tokio_postgres::Config> for ConnectConfig {
                 unverified_config(),
             ))),
             pooler: false,
+            unbounded: false,
+            session,
+            passfile: None,
+            no_tls: false,
         }
     }
 }
@@ -409,7 +484,15 @@ pub(crate) async fn drive(mut messages: Messages) {
 }
 
 /// The parameters pgbus reads itself (tokio_postgres refuses them, or their values).
-const OURS: [&str; 5] = ["sslmode", "sslrootcert", "sslcert", "sslkey", "passfile"];
+const OURS: [&str; 7] = [
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "passfile",
+    "connect_timeout",
+    "target_session_attrs",
+];
 
 /// Splits a connection string into the part tokio_postgres parses and pgbus's own
 /// parameters (decoded).
@@ -545,20 +628,6 @@ fn fill_from_env(
             _ => pg.application_name(value),
         };
     }
-    if pg.get_connect_timeout().is_none()
-        && let Some(timeout) = var("PGCONNECT_TIMEOUT")
-    {
-        let secs: u64 = timeout.trim().parse().map_err(|_| {
-            Error::invalid(
-                "PGCONNECT_TIMEOUT",
-                format!("{timeout:?} is not a number of seconds"),
-            )
-        })?;
-        // As libpq: 0 waits forever, and less than 2 s is taken as 2 s.
-        if secs > 0 {
-            pg.connect_timeout(Duration::from_secs(secs.max(2)));
-        }
-    }
     if ssl.mode.is_none()
         && let Some(mode) = var("PGSSLMODE")
     {
@@ -568,274 +637,6 @@ fn fill_from_env(
     ssl.cert = ssl.cert.take().or_else(|| var("PGSSLCERT"));
     ssl.key = ssl.key.take().or_else(|| var("PGSSLKEY"));
     Ok(())
-}
-
-/// The password of the first line of a password file that matches the first host, its
-/// port, the database and the user; `None` when none does, or the file cannot be read, or
-/// others may read it (as libpq, which warns and ignores such a file).
-fn password_from_file(file: &Path, pg: &tokio_postgres::Config, user: &str) -> Option<String> {
-    let meta = std::fs::metadata(file).ok()?;
-    if !meta.is_file() {
-        return None;
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        if meta.permissions().mode() & 0o077 != 0 {
-            tracing::warn!(
-                file = %file.display(),
-                "pgbus ignores the password file: group or others may read it (chmod 0600)"
-            );
-            return None;
-        }
-    }
-    let text = std::fs::read_to_string(file).ok()?;
-    let hosts: Vec<String> = match pg.get_hosts().first()? {
-        Host::Tcp(h) => vec![h.clone()],
-        #[cfg(unix)]
-        Host::Unix(path) => vec![path.display().to_string(), "localhost".to_string()],
-    };
-    let port = pg.get_ports().first().copied().unwrap_or(5432).to_string();
-    let dbname = pg.get_dbname().unwrap_or(user);
-    text.lines()
-        .filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty())
-        .filter_map(pgpass_fields)
-        .find(|f| {
-            let ok = |field: &str, value: &str| field == "*" || field == value;
-            hosts.iter().any(|h| ok(&f[0], h))
-                && ok(&f[1], &port)
-                && ok(&f[2], dbname)
-                && ok(&f[3], user)
-        })
-        .map(|f| f[4].clone())
-}
-
-/// A password file line's five fields, `\:` and `\\` unescaped.
-fn pgpass_fields(line: &str) -> Option<[String; 5]> {
-    let mut fields: Vec<String> = vec![String::new()];
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        match c {
-            '\\' => fields.last_mut()?.push(chars.next().unwrap_or('\\')),
-            ':' if fields.len() < 5 => fields.push(String::new()),
-            c => fields.last_mut()?.push(c),
-        }
-    }
-    fields.try_into().ok()
-}
-
-/// Where trusted CAs come from.
-enum Roots {
-    File(PathBuf),
-    System,
-}
-
-impl Roots {
-    fn named(name: String) -> Roots {
-        if name == "system" {
-            Roots::System
-        } else {
-            Roots::File(PathBuf::from(name))
-        }
-    }
-
-    fn load(&self) -> Result<RootCertStore> {
-        let mut store = RootCertStore::empty();
-        match self {
-            Roots::File(path) => {
-                let bad = |reason: String| {
-                    Error::invalid("sslrootcert", format!("{}: {reason}", path.display()))
-                };
-                let certs = CertificateDer::pem_file_iter(path)
-                    .map_err(|e| bad(e.to_string()))?
-                    .collect::<std::result::Result<Vec<_>, _>>()
-                    .map_err(|e| bad(e.to_string()))?;
-                let (added, _) = store.add_parsable_certificates(certs);
-                if added == 0 {
-                    return Err(bad("holds no certificate".into()));
-                }
-            }
-            Roots::System => {
-                let found = rustls_native_certs::load_native_certs();
-                store.add_parsable_certificates(found.certs);
-                if store.is_empty() {
-                    store.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-                }
-            }
-        }
-        Ok(store)
-    }
-}
-
-fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
-/// A rustls configuration that encrypts without checking the server's certificate
-/// (`prefer`, `require` without a root certificate).
-fn unverified_config() -> ClientConfig {
-    let provider = provider();
-    ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(Unverified(provider)))
-        .with_no_client_auth()
-}
-
-/// Builds the rustls connector `mode` asks for.
-fn rustls_connector(mode: SslMode, roots: Option<Roots>, ssl: &Ssl) -> Result<Arc<dyn Connector>> {
-    let provider = provider();
-    let builder = ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| Error::invalid("TLS configuration", e.to_string()))?;
-    let verify = match mode {
-        SslMode::VerifyCa | SslMode::VerifyFull => true,
-        SslMode::Require => roots.is_some(),
-        _ => false,
-    };
-    let builder = if verify {
-        let store = Arc::new(roots.unwrap_or(Roots::System).load()?);
-        let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(store, provider)
-            .build()
-            .map_err(|e| Error::invalid("sslrootcert", e.to_string()))?;
-        builder
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Verified {
-                webpki,
-                check_name: mode == SslMode::VerifyFull,
-            }))
-    } else {
-        builder
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Unverified(provider)))
-    };
-    let config = match (&ssl.cert, &ssl.key) {
-        (Some(cert), Some(key)) => {
-            let bad = |what: &'static str, file: &str, reason: String| {
-                Error::invalid(what, format!("{file}: {reason}"))
-            };
-            let certs = CertificateDer::pem_file_iter(cert)
-                .map_err(|e| bad("sslcert", cert, e.to_string()))?
-                .collect::<std::result::Result<Vec<_>, _>>()
-                .map_err(|e| bad("sslcert", cert, e.to_string()))?;
-            let key =
-                PrivateKeyDer::from_pem_file(key).map_err(|e| bad("sslkey", key, e.to_string()))?;
-            builder
-                .with_client_auth_cert(certs, key)
-                .map_err(|e| Error::invalid("sslcert", e.to_string()))?
-        }
-        (None, None) => builder.with_no_client_auth(),
-        _ => {
-            return Err(Error::invalid(
-                "sslcert",
-                "sslcert and sslkey must be given together",
-            ));
-        }
-    };
-    Ok(Arc::new(Erased(
-        tokio_postgres_rustls::MakeRustlsConnect::new(config),
-    )))
-}
-
-/// Accepts any certificate, still checking the handshake's signatures with it.
-#[derive(Debug)]
-struct Unverified(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for Unverified {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
-/// Checks the chain against the trusted CAs, and the host name only for `verify-full`.
-#[derive(Debug)]
-struct Verified {
-    webpki: Arc<rustls::client::WebPkiServerVerifier>,
-    check_name: bool,
-}
-
-impl ServerCertVerifier for Verified {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        intermediates: &[CertificateDer<'_>],
-        server_name: &ServerName<'_>,
-        ocsp: &[u8],
-        now: UnixTime,
-    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        match self
-            .webpki
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
-        {
-            // The chain is checked before the name: a name error means a trusted chain.
-            Err(rustls::Error::InvalidCertificate(
-                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) if !self.check_name => Ok(ServerCertVerified::assertion()),
-            other => other,
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.webpki.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.webpki.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.webpki.supported_verify_schemes()
-    }
 }
 
 #[cfg(test)]
@@ -907,7 +708,10 @@ mod tests {
         )
         .unwrap();
         let pg = c.pg_config();
-        assert_eq!(pg.get_hosts(), &[Host::Tcp("h".into())]);
+        assert_eq!(
+            pg.get_hosts(),
+            &[tokio_postgres::config::Host::Tcp("h".into())]
+        );
         assert_eq!(pg.get_ports(), &[5433]);
         assert_eq!(pg.get_user(), Some("u"));
         assert_eq!(pg.get_password(), Some(&b"p"[..]));
@@ -964,20 +768,36 @@ mod tests {
         }
         let path = file.display().to_string();
         let env = env_of(&[("PGPASSFILE", &path)]);
-        let c = ConnectConfig::parse_with_env("host=h user=u dbname=db", &env).unwrap();
-        assert_eq!(c.pg_config().get_password(), Some(&b"pa:ss"[..]));
-        let c = ConnectConfig::parse_with_env("host=x user=y", &env).unwrap();
-        assert_eq!(c.pg_config().get_password(), Some(&b"fallback"[..]));
-        let c = ConnectConfig::parse_with_env("host=h user=u password=given", &env).unwrap();
-        assert_eq!(c.pg_config().get_password(), Some(&b"given"[..]));
+        let password = |s: &str| {
+            let c = ConnectConfig::parse_with_env(s, &env).unwrap();
+            let pg = c.pg_config();
+            startup::targets(pg)
+                .unwrap()
+                .iter()
+                .map(|t| {
+                    c.passfile_password(pg, t)
+                        .or_else(|| pg.get_password().map(|p| String::from_utf8_lossy(p).into()))
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(password("host=h user=u dbname=db"), [Some("pa:ss".into())]);
+        assert_eq!(password("host=x user=y"), [Some("fallback".into())]);
+        assert_eq!(
+            password("host=h user=u password=given"),
+            [Some("given".into())]
+        );
+        // Each host of a list is looked up on its own, as libpq does.
+        assert_eq!(
+            password("host=other,h user=u dbname=db"),
+            [Some("wrong".into()), Some("pa:ss".into())]
+        );
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
-            let c = ConnectConfig::parse_with_env("host=h user=u dbname=db", &env).unwrap();
             assert_eq!(
-                c.pg_config().get_password(),
-                None,
+                password("host=h user=u dbname=db"),
+                [None],
                 "a readable file is ignored"
             );
         }
