@@ -302,7 +302,22 @@ impl ConnectConfig {
         let home_root = env("HOME")
             .map(|h| PathBuf::from(h).join(".postgresql/root.crt"))
             .filter(|p| p.is_file());
-        let mode = ssl.mode.unwrap_or(SslMode::Prefer);
+        // As libpq 16: the system's store trusts every public CA, so it is only of use
+        // with the host name checked; it makes verify-full the default, and refuses less.
+        let system_roots = ssl.root_cert.as_deref() == Some("system");
+        let mode = match ssl.mode {
+            None if system_roots => SslMode::VerifyFull,
+            Some(mode) if system_roots && mode != SslMode::VerifyFull => {
+                return Err(Error::invalid(
+                    "sslmode",
+                    format!(
+                        "sslrootcert=system needs sslmode=verify-full, not {}",
+                        mode.as_str()
+                    ),
+                ));
+            }
+            mode => mode.unwrap_or(SslMode::Prefer),
+        };
         let roots = ssl
             .root_cert
             .clone()

@@ -29,8 +29,11 @@ impl Roots {
         }
     }
 
-    fn load(&self) -> Result<RootCertStore> {
+    /// The trusted CAs, and the certificates of a root file as they are (a server's
+    /// own self-signed certificate in it is trusted as is, as libpq trusts it).
+    fn load(&self) -> Result<(RootCertStore, Vec<CertificateDer<'static>>)> {
         let mut store = RootCertStore::empty();
+        let mut listed = Vec::new();
         match self {
             Roots::File(path) => {
                 let bad = |reason: String| {
@@ -40,6 +43,7 @@ impl Roots {
                     .map_err(|e| bad(e.to_string()))?
                     .collect::<std::result::Result<Vec<_>, _>>()
                     .map_err(|e| bad(e.to_string()))?;
+                listed.clone_from(&certs);
                 let (added, _) = store.add_parsable_certificates(certs);
                 if added == 0 {
                     return Err(bad("holds no certificate".into()));
@@ -53,7 +57,7 @@ impl Roots {
                 }
             }
         }
-        Ok(store)
+        Ok((store, listed))
     }
 }
 
@@ -89,7 +93,8 @@ pub(super) fn rustls_connector(
         _ => false,
     };
     let builder = if verify {
-        let store = Arc::new(roots.unwrap_or(Roots::System).load()?);
+        let (store, listed) = roots.unwrap_or(Roots::System).load()?;
+        let store = Arc::new(store);
         let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(store, provider)
             .build()
             .map_err(|e| Error::invalid("sslrootcert", e.to_string()))?;
@@ -97,6 +102,7 @@ pub(super) fn rustls_connector(
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(Verified {
                 webpki,
+                listed,
                 check_name: mode == SslMode::VerifyFull,
             }))
     } else {
@@ -181,10 +187,16 @@ impl ServerCertVerifier for Unverified {
     }
 }
 
-/// Checks the chain against the trusted CAs, and the host name only for `verify-full`.
+/// Checks the certificate as libpq does: signed by a trusted CA (webpki checks the
+/// chain), or itself one of the root file's certificates (a self-signed server
+/// certificate, as PostgreSQL's documentation makes one, is its own root: webpki
+/// refuses it as a CA used as an end entity); then, for `verify-full` only, that it
+/// names the host by libpq's rule ([`names_host`]).
 #[derive(Debug)]
 struct Verified {
     webpki: Arc<rustls::client::WebPkiServerVerifier>,
+    /// The root file's certificates as they are.
+    listed: Vec<CertificateDer<'static>>,
     check_name: bool,
 }
 
@@ -197,16 +209,53 @@ impl ServerCertVerifier for Verified {
         ocsp: &[u8],
         now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        match self
-            .webpki
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        let mut name_error = None;
+        if self
+            .listed
+            .iter()
+            .any(|c| c.as_ref() == end_entity.as_ref())
         {
-            // The chain is checked before the name: a name error means a trusted chain.
-            Err(rustls::Error::InvalidCertificate(
-                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) if !self.check_name => Ok(ServerCertVerified::assertion()),
-            other => other,
+            // Trusted as it is: only its validity period remains to be checked.
+            within_validity(end_entity, now)?;
+        } else {
+            match self
+                .webpki
+                .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+            {
+                Ok(verified) => return Ok(verified),
+                // The chain is checked before the name: a name error means a trusted
+                // chain, and libpq's rule decides the name.
+                Err(
+                    e @ rustls::Error::InvalidCertificate(
+                        CertificateError::NotValidForName
+                        | CertificateError::NotValidForNameContext { .. },
+                    ),
+                ) => name_error = Some(e),
+                // A self-signed certificate that is not in the root file is simply not
+                // trusted; webpki says first that it is a CA (CaUsedAsEndEntity).
+                Err(rustls::Error::InvalidCertificate(CertificateError::Other(_)))
+                    if self_signed(end_entity) =>
+                {
+                    return Err(rustls::Error::InvalidCertificate(
+                        CertificateError::UnknownIssuer,
+                    ));
+                }
+                Err(e) => return Err(e),
+            }
         }
+        if !self.check_name {
+            return Ok(ServerCertVerified::assertion());
+        }
+        let (named, presented) = names_host(end_entity, server_name)?;
+        if named {
+            return Ok(ServerCertVerified::assertion());
+        }
+        Err(name_error.unwrap_or_else(|| {
+            rustls::Error::InvalidCertificate(CertificateError::NotValidForNameContext {
+                expected: server_name.to_owned(),
+                presented,
+            })
+        }))
     }
 
     fn verify_tls12_signature(
@@ -229,5 +278,146 @@ impl ServerCertVerifier for Verified {
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
         self.webpki.supported_verify_schemes()
+    }
+}
+
+fn bad_encoding() -> rustls::Error {
+    rustls::Error::InvalidCertificate(CertificateError::BadEncoding)
+}
+
+fn parse(der: &CertificateDer<'_>) -> std::result::Result<x509_cert::Certificate, rustls::Error> {
+    use x509_cert::der::Decode;
+    x509_cert::Certificate::from_der(der.as_ref()).map_err(|_| bad_encoding())
+}
+
+/// Whether the certificate names itself as its issuer.
+fn self_signed(der: &CertificateDer<'_>) -> bool {
+    parse(der).is_ok_and(|c| c.tbs_certificate.issuer == c.tbs_certificate.subject)
+}
+
+/// Checks that `now` lies in the certificate's validity period.
+fn within_validity(
+    der: &CertificateDer<'_>,
+    now: UnixTime,
+) -> std::result::Result<(), rustls::Error> {
+    let cert = parse(der)?;
+    let validity = &cert.tbs_certificate.validity;
+    let now = now.as_secs();
+    if now < validity.not_before.to_unix_duration().as_secs() {
+        return Err(rustls::Error::InvalidCertificate(
+            CertificateError::NotValidYet,
+        ));
+    }
+    if now > validity.not_after.to_unix_duration().as_secs() {
+        return Err(rustls::Error::InvalidCertificate(CertificateError::Expired));
+    }
+    Ok(())
+}
+
+/// libpq's host name rule for `verify-full`: the host matches one of the certificate's
+/// subjectAltName entries (a DNS name, `*.` matching one label, compared without
+/// regard to case; or an IP address); only when it has no DNS name or IP address
+/// entry, its subject's Common Name.
+/// Returns whether it does, and the names the certificate gives.
+fn names_host(
+    der: &CertificateDer<'_>,
+    server_name: &ServerName<'_>,
+) -> std::result::Result<(bool, Vec<String>), rustls::Error> {
+    use x509_cert::der::Decode;
+    use x509_cert::der::oid::db::{rfc4519, rfc5280};
+    use x509_cert::ext::pkix::SubjectAltName;
+    use x509_cert::ext::pkix::name::GeneralName;
+
+    let cert = parse(der)?;
+    let (host, ip): (String, Option<std::net::IpAddr>) = match server_name {
+        ServerName::DnsName(name) => (name.as_ref().to_string(), None),
+        ServerName::IpAddress(ip) => {
+            let ip = std::net::IpAddr::from(*ip);
+            (ip.to_string(), Some(ip))
+        }
+        _ => return Ok((false, Vec::new())),
+    };
+    let mut presented = Vec::new();
+    for ext in cert.tbs_certificate.extensions.iter().flatten() {
+        if ext.extn_id != rfc5280::ID_CE_SUBJECT_ALT_NAME {
+            continue;
+        }
+        let names =
+            SubjectAltName::from_der(ext.extn_value.as_bytes()).map_err(|_| bad_encoding())?;
+        for name in names.0 {
+            match name {
+                GeneralName::DnsName(dns) => {
+                    presented.push(dns.as_str().to_string());
+                    if name_matches(dns.as_str(), &host) {
+                        return Ok((true, presented));
+                    }
+                }
+                GeneralName::IpAddress(bytes) => {
+                    let listed = match bytes.as_bytes() {
+                        b4 if b4.len() == 4 => <[u8; 4]>::try_from(b4)
+                            .ok()
+                            .map(|b| std::net::IpAddr::from(b)),
+                        b16 if b16.len() == 16 => <[u8; 16]>::try_from(b16)
+                            .ok()
+                            .map(|b| std::net::IpAddr::from(b)),
+                        _ => None,
+                    };
+                    match listed {
+                        Some(listed) if Some(listed) == ip => return Ok((true, presented)),
+                        Some(listed) => presented.push(listed.to_string()),
+                        None => presented.push("an unreadable IP address".to_string()),
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    if !presented.is_empty() {
+        return Ok((false, presented));
+    }
+    for rdn in cert.tbs_certificate.subject.0.iter() {
+        for atv in rdn.0.iter() {
+            if atv.oid == rfc4519::CN
+                && let Ok(cn) = std::str::from_utf8(atv.value.value())
+            {
+                if name_matches(cn, &host) {
+                    return Ok((true, presented));
+                }
+                presented.push(cn.to_string());
+            }
+        }
+    }
+    Ok((false, presented))
+}
+
+/// Whether a certificate's name matches the host, as libpq compares them: equal without
+/// regard to case, or `*.rest` matching one non-empty label followed by `.rest`.
+fn name_matches(pattern: &str, host: &str) -> bool {
+    if pattern.eq_ignore_ascii_case(host) {
+        return true;
+    }
+    let Some(suffix) = pattern.strip_prefix('*') else {
+        return false;
+    };
+    if !suffix.starts_with('.') || suffix.len() < 2 || host.len() <= suffix.len() {
+        return false;
+    }
+    let (label, rest) = host.split_at(host.len() - suffix.len());
+    rest.eq_ignore_ascii_case(suffix) && !label.contains('.')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::name_matches;
+
+    #[test]
+    fn names_match_as_libpq_matches_them() {
+        assert!(name_matches("db.example.com", "DB.Example.com"));
+        assert!(name_matches("*.example.com", "db.example.com"));
+        assert!(!name_matches("*.example.com", "a.db.example.com"));
+        assert!(!name_matches("*.example.com", "example.com"));
+        assert!(!name_matches("*.example.com", ".example.com"));
+        assert!(!name_matches("db*.example.com", "db1.example.com"));
+        assert!(!name_matches("other.example.com", "db.example.com"));
     }
 }

@@ -92,6 +92,27 @@ pub struct TlsServer {
 
 static SHARED: tokio::sync::OnceCell<TlsServer> = tokio::sync::OnceCell::const_new();
 
+/// Which server certificate a [`TlsServer`] presents ([`TlsServer::start_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ServerCertificate {
+    /// Signed by the kit's CA, naming [`SERVER_NAME`] as a DNS subjectAltName and as its
+    /// Common Name (the default).
+    #[default]
+    SignedByCa,
+    /// PostgreSQL's documented recipe (`openssl req -new -x509 -nodes -subj
+    /// "/CN=localhost"`, then `cp server.crt root.crt`): self-signed, marked as a CA,
+    /// naming [`SERVER_NAME`] only as its Common Name. [`TlsServer::ca_pem`] is the
+    /// server's certificate itself.
+    SelfSigned,
+    /// Signed by the kit's CA, naming [`SERVER_NAME`] only as its Common Name (no
+    /// subjectAltName).
+    CommonNameOnly,
+    /// Signed by the kit's CA, Common Name [`SERVER_NAME`], but a subjectAltName that
+    /// names only `elsewhere.invalid`: libpq then ignores the Common Name.
+    OtherAltName,
+}
+
 /// The PEM files made at start.
 struct Certificates {
     ca: String,
@@ -101,10 +122,31 @@ struct Certificates {
 }
 
 impl Certificates {
-    fn generate() -> Result<Self, rcgen::Error> {
+    fn generate(kind: ServerCertificate) -> Result<Self, rcgen::Error> {
         let ca = certificate_authority("pgbus test CA")?;
         let wrong_ca = certificate_authority("pgbus test CA (wrong)")?;
-        let mut params = CertificateParams::new(vec![SERVER_NAME.to_owned()])?;
+        let names = match kind {
+            ServerCertificate::SignedByCa => vec![SERVER_NAME.to_owned()],
+            ServerCertificate::OtherAltName => vec!["elsewhere.invalid".to_owned()],
+            ServerCertificate::SelfSigned | ServerCertificate::CommonNameOnly => Vec::new(),
+        };
+        if kind == ServerCertificate::SelfSigned {
+            let mut params = CertificateParams::new(names)?;
+            params
+                .distinguished_name
+                .push(DnType::CommonName, SERVER_NAME);
+            // As `openssl req -x509` makes it: basicConstraints CA:TRUE.
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            let key = KeyPair::generate()?;
+            let server = params.self_signed(&key)?;
+            return Ok(Certificates {
+                ca: server.pem(),
+                wrong_ca: wrong_ca.pem(),
+                server: server.pem(),
+                server_key: key.serialize_pem(),
+            });
+        }
+        let mut params = CertificateParams::new(names)?;
         params
             .distinguished_name
             .push(DnType::CommonName, SERVER_NAME);
@@ -226,7 +268,16 @@ impl TlsServer {
     /// ...), [`FixtureError::Certificates`], [`FixtureError::Database`] or
     /// [`FixtureError::Migrate`] when setting it up fails.
     pub async fn start() -> Result<TlsServer, FixtureError> {
-        let certificates = Certificates::generate()?;
+        TlsServer::start_with(ServerCertificate::default()).await
+    }
+
+    /// Starts a server of its own that presents the certificate `kind` says.
+    ///
+    /// # Errors
+    ///
+    /// As [`TlsServer::start`].
+    pub async fn start_with(kind: ServerCertificate) -> Result<TlsServer, FixtureError> {
+        let certificates = Certificates::generate(kind)?;
         let pg = start_with_ssl(&certificates).await?;
         let port = pg.port();
         let password: String = std::iter::repeat_with(fastrand::alphanumeric)
@@ -366,7 +417,8 @@ impl TlsServer {
     }
 
     /// The PEM file of the CA that signed the server's certificate (libpq's
-    /// `sslrootcert`).
+    /// `sslrootcert`); for [`ServerCertificate::SelfSigned`], the server's certificate
+    /// itself.
     pub fn ca_pem(&self) -> &Path {
         &self.ca_pem
     }
