@@ -94,6 +94,16 @@ impl SslMode {
     }
 }
 
+impl SslMode {
+    /// Reads a mode, an error naming `what` (the setting or its variable).
+    fn parse(what: &'static str, s: &str) -> Result<Self> {
+        s.parse().map_err(|e| match e {
+            Error::Invalid { reason, .. } => Error::invalid(what, reason),
+            e => e,
+        })
+    }
+}
+
 impl FromStr for SslMode {
     type Err = Error;
 
@@ -123,12 +133,22 @@ pub type Messages =
     Pin<Box<dyn Stream<Item = std::result::Result<AsyncMessage, tokio_postgres::Error>> + Send>>;
 
 /// The TLS settings read from a connection string and the environment.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Ssl {
     mode: Option<SslMode>,
     root_cert: Option<String>,
     cert: Option<String>,
     key: Option<String>,
+    /// The home directory, for `~/.postgresql/postgresql.crt` and `.key`.
+    home: Option<PathBuf>,
+    /// `sslsni`: send the host name in the TLS handshake (default on).
+    sni: bool,
+    /// `sslcertmode=disable`: present no client certificate.
+    no_client_cert: bool,
+    /// `ssl_min_protocol_version=TLSv1.3`.
+    tls13_only: bool,
+    /// `ssl_max_protocol_version=TLSv1.2`.
+    tls12_only: bool,
 }
 
 /// libpq's `target_session_attrs`: what the server connected to must be.
@@ -246,38 +266,165 @@ impl ConnectConfig {
     pub fn parse_with_env(s: &str, env: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let (rest, ours) = split_params(s)?;
         let mut pg: tokio_postgres::Config = rest.parse().map_err(|e: tokio_postgres::Error| {
-            Error::invalid("connection string", e.to_string().replace('\n', " "))
+            let why =
+                std::error::Error::source(&e).map_or_else(|| e.to_string(), ToString::to_string);
+            Error::invalid("connection string", why.replace('\n', " "))
         })?;
-        let mut ssl = Ssl::default();
+        let mut settings = Vec::new();
+        for (key, value) in ours {
+            let Some((key, _)) = KEYWORDS.iter().find(|(k, _)| *k == key) else {
+                return Err(Error::invalid(
+                    "connection string",
+                    format!("unknown setting {key:?}"),
+                ));
+            };
+            settings.push(Setting {
+                key,
+                value,
+                what: key,
+            });
+        }
+        for (key, var) in KEYWORDS {
+            if let Some(var) = var
+                && !settings.iter().any(|s| s.key == key)
+                && let Some(value) = env(var).filter(|v| !v.is_empty())
+            {
+                settings.push(Setting {
+                    key,
+                    value,
+                    what: var,
+                });
+            }
+        }
+        let mut ssl = Ssl {
+            mode: None,
+            root_cert: None,
+            cert: None,
+            key: None,
+            home: env("HOME").map(PathBuf::from),
+            sni: true,
+            no_client_cert: false,
+            tls13_only: false,
+            tls12_only: false,
+        };
         let mut passfile = None;
         let mut timeout = None;
         let mut session = None;
-        for (key, value) in ours {
-            match key.as_str() {
-                "sslmode" => ssl.mode = Some(value.parse()?),
+        let mut fallback_name = None;
+        for Setting { key, value, what } in settings {
+            let v = value.as_str();
+            match key {
+                "sslmode" => ssl.mode = Some(SslMode::parse(what, v)?),
                 "sslrootcert" => ssl.root_cert = Some(value),
                 "sslcert" => ssl.cert = Some(value),
                 "sslkey" => ssl.key = Some(value),
-                "connect_timeout" => timeout = Some(parse_timeout("connect_timeout", &value)?),
-                "target_session_attrs" => {
-                    session = Some(SessionAttrs::parse("target_session_attrs", &value)?);
+                "passfile" => passfile = Some(value),
+                "connect_timeout" => timeout = Some(parse_timeout(what, v)?),
+                "target_session_attrs" => session = Some(SessionAttrs::parse(what, v)?),
+                "fallback_application_name" => fallback_name = Some(value),
+                "client_encoding" => {
+                    if !matches!(v.to_ascii_uppercase().as_str(), "UTF8" | "UTF-8" | "AUTO") {
+                        return Err(unsupported(what, v, "pgbus speaks UTF8 only"));
+                    }
                 }
-                _ => passfile = Some(value),
+                "keepalives_count" => {
+                    let count = v.trim().parse().map_err(|_| {
+                        Error::invalid(what, format!("{v:?} is not a whole number"))
+                    })?;
+                    pg.keepalives_retries(count);
+                }
+                "sslsni" => ssl.sni = parse_flag(what, v)?,
+                // Compression is off in every TLS library today; libpq ignores it too.
+                "sslcompression" => {
+                    parse_flag(what, v)?;
+                }
+                // Used only for an encrypted key, which is refused when it is read.
+                "sslpassword" => {}
+                "sslcertmode" => match v {
+                    "allow" => {}
+                    "disable" => ssl.no_client_cert = true,
+                    _ => {
+                        return Err(unsupported(
+                            what,
+                            v,
+                            "pgbus supports sslcertmode allow and disable",
+                        ));
+                    }
+                },
+                "ssl_min_protocol_version" => match v {
+                    "TLSv1" | "TLSv1.1" | "TLSv1.2" => {}
+                    "TLSv1.3" => ssl.tls13_only = true,
+                    _ => return Err(unsupported(what, v, "not a TLS version (TLSv1.2, TLSv1.3)")),
+                },
+                "ssl_max_protocol_version" => match v {
+                    "TLSv1.3" => {}
+                    "TLSv1.2" => ssl.tls12_only = true,
+                    "TLSv1" | "TLSv1.1" => {
+                        return Err(unsupported(what, v, "pgbus speaks TLS 1.2 and 1.3 only"));
+                    }
+                    _ => return Err(unsupported(what, v, "not a TLS version (TLSv1.2, TLSv1.3)")),
+                },
+                "gssencmode" => match v {
+                    "disable" | "prefer" => {}
+                    _ => return Err(unsupported(what, v, "pgbus does not support GSSAPI")),
+                },
+                "replication" => {
+                    if parse_flag(what, v).ok() != Some(false) {
+                        return Err(unsupported(
+                            what,
+                            v,
+                            "pgbus does not open replication connections",
+                        ));
+                    }
+                }
+                "min_protocol_version" | "max_protocol_version" => {
+                    if v != "3.0" {
+                        return Err(unsupported(what, v, "pgbus speaks protocol 3.0"));
+                    }
+                }
+                "sslcrl" | "sslcrldir" => {
+                    return Err(unsupported(
+                        what,
+                        v,
+                        "pgbus does not check certificate revocation lists",
+                    ));
+                }
+                "requirepeer" => {
+                    return Err(unsupported(
+                        what,
+                        v,
+                        "pgbus does not check a Unix socket's peer",
+                    ));
+                }
+                "require_auth" => {
+                    return Err(unsupported(
+                        what,
+                        v,
+                        "pgbus does not restrict the authentication methods",
+                    ));
+                }
+                "krbsrvname" | "gsslib" | "gssdelegation" => {
+                    return Err(unsupported(what, v, "pgbus does not support GSSAPI"));
+                }
+                "service" | "servicefile" => {
+                    return Err(unsupported(
+                        what,
+                        v,
+                        "pgbus does not read service files: give the settings in the \
+                         connection string or the PG* variables",
+                    ));
+                }
+                _ => return Err(unsupported(what, v, "pgbus does not support OAuth")),
             }
         }
-        fill_from_env(&mut pg, &mut ssl, &env)?;
-        if timeout.is_none()
-            && let Some(value) = env("PGCONNECT_TIMEOUT").filter(|v| !v.is_empty())
+        if pg.get_application_name().is_none()
+            && let Some(name) = fallback_name
         {
-            timeout = Some(parse_timeout("PGCONNECT_TIMEOUT", &value)?);
+            pg.application_name(name);
         }
+        fill_from_env(&mut pg, &env)?;
         if let Some(Some(bound)) = timeout {
             pg.connect_timeout(bound);
-        }
-        if session.is_none()
-            && let Some(value) = env("PGTARGETSESSIONATTRS").filter(|v| !v.is_empty())
-        {
-            session = Some(SessionAttrs::parse("PGTARGETSESSIONATTRS", &value)?);
         }
         if pg.get_hosts().is_empty() && pg.get_hostaddrs().is_empty() {
             return Err(Error::invalid(
@@ -292,11 +439,7 @@ impl ConnectConfig {
             ));
         }
         let passfile = (pg.get_password().is_none())
-            .then(|| {
-                passfile
-                    .or_else(|| env("PGPASSFILE").filter(|v| !v.is_empty()))
-                    .or_else(|| env("HOME").map(|h| format!("{h}/.pgpass")))
-            })
+            .then(|| passfile.or_else(|| env("HOME").map(|h| format!("{h}/.pgpass"))))
             .flatten()
             .map(PathBuf::from);
         let home_root = env("HOME")
@@ -498,16 +641,103 @@ pub(crate) async fn drive(mut messages: Messages) {
     }
 }
 
-/// The parameters pgbus reads itself (tokio_postgres refuses them, or their values).
-const OURS: [&str; 7] = [
-    "sslmode",
-    "sslrootcert",
-    "sslcert",
-    "sslkey",
-    "passfile",
-    "connect_timeout",
-    "target_session_attrs",
+/// The settings tokio_postgres reads as libpq does; pgbus reads every other itself.
+const PASSED: [&str; 16] = [
+    "user",
+    "password",
+    "dbname",
+    "options",
+    "application_name",
+    "host",
+    "hostaddr",
+    "port",
+    "tcp_user_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_retries",
+    "channel_binding",
+    "load_balance_hosts",
+    "sslnegotiation",
 ];
+
+/// libpq's settings that pgbus reads itself, each with its environment variable: the
+/// variable applies when the string does not give the setting.
+const KEYWORDS: [(&str, Option<&str>); 31] = [
+    ("sslmode", Some("PGSSLMODE")),
+    ("sslrootcert", Some("PGSSLROOTCERT")),
+    ("sslcert", Some("PGSSLCERT")),
+    ("sslkey", Some("PGSSLKEY")),
+    ("passfile", Some("PGPASSFILE")),
+    ("connect_timeout", Some("PGCONNECT_TIMEOUT")),
+    ("target_session_attrs", Some("PGTARGETSESSIONATTRS")),
+    ("fallback_application_name", None),
+    ("client_encoding", Some("PGCLIENTENCODING")),
+    ("keepalives_count", None),
+    ("sslsni", Some("PGSSLSNI")),
+    ("sslcompression", Some("PGSSLCOMPRESSION")),
+    ("sslpassword", None),
+    ("sslcertmode", Some("PGSSLCERTMODE")),
+    ("ssl_min_protocol_version", Some("PGSSLMINPROTOCOLVERSION")),
+    ("ssl_max_protocol_version", Some("PGSSLMAXPROTOCOLVERSION")),
+    ("gssencmode", Some("PGGSSENCMODE")),
+    ("replication", None),
+    ("sslcrl", Some("PGSSLCRL")),
+    ("sslcrldir", Some("PGSSLCRLDIR")),
+    ("requirepeer", Some("PGREQUIREPEER")),
+    ("require_auth", Some("PGREQUIREAUTH")),
+    ("krbsrvname", Some("PGKRBSRVNAME")),
+    ("gsslib", Some("PGGSSLIB")),
+    ("gssdelegation", Some("PGGSSDELEGATION")),
+    ("service", Some("PGSERVICE")),
+    ("servicefile", Some("PGSERVICEFILE")),
+    ("min_protocol_version", Some("PGMINPROTOCOLVERSION")),
+    ("max_protocol_version", Some("PGMAXPROTOCOLVERSION")),
+    ("oauth_issuer", None),
+    ("oauth_client_id", None),
+];
+
+/// Refuses a `%` that is not followed by two hexadecimal digits (libpq refuses such a
+/// URL; it would otherwise be taken as written).
+fn check_percent_escapes(s: &str) -> Result<()> {
+    let bytes = s.as_bytes();
+    for (i, _) in s.match_indices('%') {
+        let hex = bytes.get(i + 1..i + 3);
+        if !hex.is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)) {
+            let shown: String = s[i..].chars().take(3).collect();
+            return Err(Error::invalid(
+                "connection string",
+                format!(
+                    "malformed percent-escape {shown:?} at byte {i} of the URL: '%' must be \
+                     followed by two hexadecimal digits (write '%' itself as %25)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A setting pgbus reads itself, with what an error about it names: the setting, or the
+/// environment variable it came from.
+struct Setting {
+    key: &'static str,
+    value: String,
+    what: &'static str,
+}
+
+/// "0"/"1" (and libpq's other spellings of a boolean).
+fn parse_flag(what: &'static str, value: &str) -> Result<bool> {
+    match value.to_ascii_lowercase().as_str() {
+        "1" | "on" | "true" | "yes" => Ok(true),
+        "0" | "off" | "false" | "no" => Ok(false),
+        _ => Err(Error::invalid(what, format!("{value:?} is not 0 or 1"))),
+    }
+}
+
+/// A setting pgbus does not support, refused with why.
+fn unsupported(what: &'static str, value: &str, why: &str) -> Error {
+    Error::invalid(what, format!("{value:?}: {why}"))
+}
 
 /// Splits a connection string into the part tokio_postgres parses and pgbus's own
 /// parameters (decoded).
@@ -515,6 +745,7 @@ fn split_params(s: &str) -> Result<(String, Vec<(String, String)>)> {
     let bad = |reason: &str| Error::invalid("connection string", reason.to_string());
     let mut ours = Vec::new();
     if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+        check_percent_escapes(s)?;
         let Some((base, query)) = s.split_once('?') else {
             return Ok((s.to_string(), ours));
         };
@@ -524,7 +755,7 @@ fn split_params(s: &str) -> Result<(String, Vec<(String, String)>)> {
                 .split_once('=')
                 .ok_or_else(|| bad("a URL parameter has no '='"))?;
             let key = percent_decode(k).ok_or_else(|| bad("bad %-escape in a URL parameter"))?;
-            if OURS.contains(&key.as_str()) {
+            if !PASSED.contains(&key.as_str()) {
                 let value =
                     percent_decode(v).ok_or_else(|| bad("bad %-escape in a URL parameter"))?;
                 ours.push((key, value));
@@ -576,7 +807,7 @@ fn split_params(s: &str) -> Result<(String, Vec<(String, String)>)> {
                 }
             }
         }
-        if OURS.contains(&key.as_str()) {
+        if !PASSED.contains(&key.as_str()) {
             ours.push((key, value));
         } else {
             let quoted = value.replace('\\', "\\\\").replace('\'', "\\'");
@@ -606,7 +837,6 @@ fn percent_decode(s: &str) -> Option<String> {
 /// Fills what the string left out from the `PG*` variables.
 fn fill_from_env(
     pg: &mut tokio_postgres::Config,
-    ssl: &mut Ssl,
     env: &impl Fn(&str) -> Option<String>,
 ) -> Result<()> {
     let var = |name: &str| env(name).filter(|v| !v.is_empty());
@@ -643,14 +873,38 @@ fn fill_from_env(
             _ => pg.application_name(value),
         };
     }
-    if ssl.mode.is_none()
-        && let Some(mode) = var("PGSSLMODE")
+    if pg.get_hostaddrs().is_empty()
+        && let Some(addrs) = var("PGHOSTADDR")
     {
-        ssl.mode = Some(mode.parse()?);
+        for addr in addrs.split(',') {
+            let addr = addr.trim().parse().map_err(|_| {
+                Error::invalid("PGHOSTADDR", format!("{addr:?} is not an IP address"))
+            })?;
+            pg.hostaddr(addr);
+        }
     }
-    ssl.root_cert = ssl.root_cert.take().or_else(|| var("PGSSLROOTCERT"));
-    ssl.cert = ssl.cert.take().or_else(|| var("PGSSLCERT"));
-    ssl.key = ssl.key.take().or_else(|| var("PGSSLKEY"));
+    if pg.get_options().is_none()
+        && let Some(options) = var("PGOPTIONS")
+    {
+        pg.options(options);
+    }
+    // The rest of tokio_postgres' settings from their variables, as the string would
+    // give them.
+    for (var_name, key) in [
+        ("PGSSLNEGOTIATION", "sslnegotiation"),
+        ("PGCHANNELBINDING", "channel_binding"),
+        ("PGLOADBALANCEHOSTS", "load_balance_hosts"),
+    ] {
+        let Some(value) = var(var_name) else { continue };
+        let one: tokio_postgres::Config = format!("{key}='{}'", value.replace(['\\', '\''], ""))
+            .parse()
+            .map_err(|_| Error::invalid(var_name, format!("{value:?} is not a value of {key}")))?;
+        match key {
+            "sslnegotiation" => pg.ssl_negotiation(one.get_ssl_negotiation()),
+            "channel_binding" => pg.channel_binding(one.get_channel_binding()),
+            _ => pg.load_balance_hosts(one.get_load_balance_hosts()),
+        };
+    }
     Ok(())
 }
 
@@ -748,7 +1002,27 @@ mod tests {
             ("host=h", "connection string"),
             ("host=h user=u nonsense=1", "connection string"),
             ("host=h user=u password='open", "connection string"),
-            ("host=h user=u sslcert=/a.pem", "sslcert"),
+            ("host=h user=u sslcert=/a.pem", "sslkey"),
+            ("host=h user=u sslcrl=/crl.pem", "sslcrl"),
+            ("host=h user=u sslcrldir=/crls", "sslcrldir"),
+            ("host=h user=u sslsni=maybe", "sslsni"),
+            (
+                "host=h user=u target_session_attrs=master",
+                "target_session_attrs",
+            ),
+            ("host=h user=u connect_timeout=soon", "connect_timeout"),
+            ("host=h user=u gssencmode=require", "gssencmode"),
+            ("host=h user=u service=mine", "service"),
+            ("host=h user=u client_encoding=LATIN1", "client_encoding"),
+            (
+                "host=h user=u ssl_max_protocol_version=TLSv1.1",
+                "ssl_max_protocol_version",
+            ),
+            ("host=h user=u port=many", "connection string"),
+            ("postgres://%%%", "connection string"),
+            ("postgres://u:p%ZZ@h/d", "connection string"),
+            ("postgres://u@h/d?sslcrl=%2Fcrl.pem", "sslcrl"),
+            ("postgres://u@h/d?replication=database", "replication"),
         ];
         for (s, what) in cases {
             match ConnectConfig::parse_with_env(s, &env) {
@@ -756,14 +1030,41 @@ mod tests {
                 other => panic!("{s}: {other:?}"),
             }
         }
-        let bad_env = env_of(&[("PGHOST", "h"), ("PGUSER", "u"), ("PGSSLMODE", "on")]);
-        assert!(matches!(
-            ConnectConfig::parse_with_env("", &bad_env),
-            Err(Error::Invalid {
-                what: "sslmode",
-                ..
-            })
-        ));
+        // A bad value from the environment names the variable.
+        for (var, value) in [
+            ("PGSSLMODE", "on"),
+            ("PGCONNECT_TIMEOUT", "later"),
+            ("PGTARGETSESSIONATTRS", "primary-ish"),
+            ("PGSSLCRL", "/crl.pem"),
+            ("PGSERVICE", "mine"),
+            ("PGHOSTADDR", "not-an-ip"),
+            ("PGCHANNELBINDING", "always"),
+        ] {
+            let bad_env = env_of(&[("PGHOST", "h"), ("PGUSER", "u"), (var, value)]);
+            match ConnectConfig::parse_with_env("", &bad_env) {
+                Err(Error::Invalid { what, .. }) => assert_eq!(what, var),
+                other => panic!("{var}={value}: {other:?}"),
+            }
+        }
+        // The string's own setting wins over the variable.
+        let env = env_of(&[("PGSSLMODE", "on"), ("PGTARGETSESSIONATTRS", "bogus")]);
+        let c = ConnectConfig::parse_with_env(
+            "host=h user=u sslmode=disable target_session_attrs=primary",
+            &env,
+        )
+        .unwrap();
+        assert_eq!(c.ssl_mode(), SslMode::Disable);
+        // Every setting libpq names that pgbus supports is accepted.
+        let c = ConnectConfig::parse_with_env(
+            "host=h user=u sslsni=0 sslcompression=0 sslcertmode=disable keepalives_count=3 \
+             ssl_min_protocol_version=TLSv1.2 ssl_max_protocol_version=TLSv1.3 \
+             gssencmode=prefer fallback_application_name=fb client_encoding=UTF8 \
+             target_session_attrs=prefer-standby sslpassword=unused replication=false",
+            env_of(&[]),
+        )
+        .unwrap();
+        assert_eq!(c.pg_config().get_application_name(), Some("fb"));
+        assert_eq!(c.pg_config().get_keepalives_retries(), Some(3));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! TLS with rustls: the connector each `sslmode` asks for, and certificate checks that
 //! accept what libpq accepts.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -84,8 +84,21 @@ pub(super) fn rustls_connector(
     ssl: &Ssl,
 ) -> Result<Arc<dyn Connector>> {
     let provider = provider();
+    let versions: Vec<&'static rustls::SupportedProtocolVersion> = [
+        (!ssl.tls13_only).then_some(&rustls::version::TLS12),
+        (!ssl.tls12_only).then_some(&rustls::version::TLS13),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if versions.is_empty() {
+        return Err(Error::invalid(
+            "ssl_min_protocol_version",
+            "is above ssl_max_protocol_version",
+        ));
+    }
     let builder = ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
+        .with_protocol_versions(&versions)
         .map_err(|e| Error::invalid("TLS configuration", e.to_string()))?;
     let verify = match mode {
         SslMode::VerifyCa | SslMode::VerifyFull => true,
@@ -110,32 +123,94 @@ pub(super) fn rustls_connector(
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(Unverified(provider)))
     };
-    let config = match (&ssl.cert, &ssl.key) {
-        (Some(cert), Some(key)) => {
-            let bad = |what: &'static str, file: &str, reason: String| {
-                Error::invalid(what, format!("{file}: {reason}"))
+    let config = match client_files(ssl)? {
+        Some((cert, key)) => {
+            let bad = |what: &'static str, file: &Path, reason: String| {
+                Error::invalid(what, format!("{}: {reason}", file.display()))
             };
-            let certs = CertificateDer::pem_file_iter(cert)
-                .map_err(|e| bad("sslcert", cert, e.to_string()))?
+            let certs = CertificateDer::pem_file_iter(&cert)
+                .map_err(|e| bad("sslcert", &cert, e.to_string()))?
                 .collect::<std::result::Result<Vec<_>, _>>()
-                .map_err(|e| bad("sslcert", cert, e.to_string()))?;
-            let key =
-                PrivateKeyDer::from_pem_file(key).map_err(|e| bad("sslkey", key, e.to_string()))?;
+                .map_err(|e| bad("sslcert", &cert, e.to_string()))?;
+            check_key_file(&key)?;
+            let key = PrivateKeyDer::from_pem_file(&key)
+                .map_err(|e| bad("sslkey", &key, e.to_string()))?;
             builder
                 .with_client_auth_cert(certs, key)
                 .map_err(|e| Error::invalid("sslcert", e.to_string()))?
         }
-        (None, None) => builder.with_no_client_auth(),
-        _ => {
-            return Err(Error::invalid(
-                "sslcert",
-                "sslcert and sslkey must be given together",
-            ));
-        }
+        None => builder.with_no_client_auth(),
     };
+    let mut config = config;
+    config.enable_sni = ssl.sni;
     Ok(Arc::new(Erased(
         tokio_postgres_rustls::MakeRustlsConnect::new(config),
     )))
+}
+
+/// The client certificate and key to present: `sslcert` and `sslkey`, else, as libpq,
+/// `~/.postgresql/postgresql.crt` and `.key` when the certificate exists; none with
+/// `sslcertmode=disable`.
+fn client_files(ssl: &Ssl) -> Result<Option<(PathBuf, PathBuf)>> {
+    if ssl.no_client_cert {
+        return Ok(None);
+    }
+    let home = |name: &str| ssl.home.as_ref().map(|h| h.join(".postgresql").join(name));
+    let cert = match &ssl.cert {
+        Some(cert) => PathBuf::from(cert),
+        None => match home("postgresql.crt").filter(|p| p.is_file()) {
+            Some(cert) => cert,
+            None if ssl.key.is_some() => {
+                return Err(Error::invalid(
+                    "sslkey",
+                    "a client key without a certificate: name it with sslcert",
+                ));
+            }
+            None => return Ok(None),
+        },
+    };
+    let key = match (&ssl.key, home("postgresql.key")) {
+        (Some(key), _) => PathBuf::from(key),
+        (None, Some(key)) if key.is_file() => key,
+        _ => {
+            return Err(Error::invalid(
+                "sslkey",
+                format!(
+                    "the client certificate {} has no key: name it with sslkey",
+                    cert.display()
+                ),
+            ));
+        }
+    };
+    Ok(Some((cert, key)))
+}
+
+/// Refuses, as libpq does, a client key file that others may read (more than 0600; 0640
+/// when root owns it), and one that is encrypted (pgbus cannot use `sslpassword`).
+fn check_key_file(key: &Path) -> Result<()> {
+    let bad = |reason: String| Error::invalid("sslkey", format!("{}: {reason}", key.display()));
+    let meta = std::fs::metadata(key).map_err(|e| bad(e.to_string()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let allowed = if meta.uid() == 0 { 0o640 } else { 0o600 };
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & !allowed != 0 {
+            return Err(bad(format!(
+                "group or others may read it (mode {mode:04o}): chmod 0600, as libpq requires"
+            )));
+        }
+    }
+    let _ = meta;
+    let text = std::fs::read_to_string(key).map_err(|e| bad(e.to_string()))?;
+    if text.contains("ENCRYPTED") {
+        return Err(bad(
+            "the key is encrypted, and pgbus cannot decrypt it with sslpassword: store it \
+             decrypted (openssl pkey -in key.enc -out key), readable by its owner only"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Accepts any certificate, still checking the handshake's signatures with it.
