@@ -8,6 +8,9 @@
 //! documentation makes (its own root), and one that names the host only in its Common
 //! Name; one whose subjectAltName names another host is refused for `verify-full` even
 //! when its Common Name matches, as libpq refuses it.
+//!
+//! Client certificates come from `sslcert`/`sslkey` or, as libpq, from
+//! `~/.postgresql/postgresql.crt` and `.key`; a key file others may read is refused.
 
 use std::path::Path;
 use std::time::Duration;
@@ -315,4 +318,108 @@ async fn system_roots_insist_on_verify_full() {
         .replace("sslmode=verify-full&", "");
     let config = ConnectConfig::parse_with_env(&url, env_with(home.path(), &[])).unwrap();
     assert_eq!(config.ssl_mode(), SslMode::VerifyFull);
+}
+
+/// Writes `text` to `path` with `mode`.
+fn write_mode(path: &Path, text: &str, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+#[tokio::test]
+async fn client_certificates_come_from_the_home_directory_and_keys_must_be_private() {
+    let server = TlsServer::start_requiring_client_certificates()
+        .await
+        .unwrap();
+    let (cert, key) = server.client_certificate();
+    // No password: the certificate is the login.
+    let url = format!(
+        "postgresql://{}@localhost:{}/{}?sslmode=verify-full",
+        server.user(),
+        server.port(),
+        server.database()
+    );
+    let home = empty_home();
+    let dir = home.path().join(".postgresql");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::copy(server.ca_pem(), dir.join("root.crt")).unwrap();
+
+    // Without a certificate the server refuses the login.
+    let err = encrypted(&url, env_with(home.path(), &[]))
+        .await
+        .unwrap_err();
+    assert!(err.contains("certificate"), "{err}");
+
+    // ~/.postgresql/postgresql.crt and .key are used when they exist.
+    write_mode(&dir.join("postgresql.crt"), cert, 0o644);
+    write_mode(&dir.join("postgresql.key"), key, 0o600);
+    assert_eq!(encrypted(&url, env_with(home.path(), &[])).await, Ok(true));
+
+    // sslcertmode=disable presents none.
+    let err = encrypted(
+        &format!("{url}&sslcertmode=disable"),
+        env_with(home.path(), &[]),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.contains("certificate"), "{err}");
+
+    // A key that group or others may read is refused before connecting, as libpq does.
+    write_mode(&dir.join("postgresql.key"), key, 0o644);
+    match ConnectConfig::parse_with_env(&url, env_with(home.path(), &[])) {
+        Err(pgbus::Error::Invalid { what, reason }) => {
+            assert_eq!(what, "sslkey", "{reason}");
+            assert!(reason.contains("chmod 0600"), "{reason}");
+        }
+        other => panic!("a readable key was accepted: {other:?}"),
+    }
+
+    // sslcert and sslkey name them anywhere; PGSSLCERT and PGSSLKEY too.
+    let elsewhere = empty_home();
+    let (cert_path, key_path) = (
+        elsewhere.path().join("client.crt"),
+        elsewhere.path().join("client.key"),
+    );
+    write_mode(&cert_path, cert, 0o644);
+    write_mode(&key_path, key, 0o600);
+    let named = format!(
+        "{url}&sslrootcert={}&sslcert={}&sslkey={}",
+        ca(&server),
+        cert_path.display(),
+        key_path.display()
+    );
+    assert_eq!(
+        encrypted(&named, env_with(elsewhere.path(), &[])).await,
+        Ok(true)
+    );
+    let from_env = env_with(
+        elsewhere.path(),
+        &[
+            ("PGSSLROOTCERT", ca(&server)),
+            ("PGSSLCERT", cert_path.display().to_string()),
+            ("PGSSLKEY", key_path.display().to_string()),
+        ],
+    );
+    assert_eq!(encrypted(&url, from_env).await, Ok(true));
+
+    // An encrypted key is refused, naming the setting, rather than failing later.
+    let encrypted_key = elsewhere.path().join("encrypted.key");
+    write_mode(
+        &encrypted_key,
+        "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n",
+        0o600,
+    );
+    let with_password = format!(
+        "{url}&sslcert={}&sslkey={}&sslpassword=secret",
+        cert_path.display(),
+        encrypted_key.display()
+    );
+    match ConnectConfig::parse_with_env(&with_password, env_with(elsewhere.path(), &[])) {
+        Err(pgbus::Error::Invalid { what, reason }) => {
+            assert_eq!(what, "sslkey", "{reason}");
+            assert!(reason.contains("sslpassword"), "{reason}");
+        }
+        other => panic!("an encrypted key was accepted: {other:?}"),
+    }
 }
