@@ -378,10 +378,24 @@ fn describe_connect(
             seconds(bound)
         ),
         (None, Some(source)) => {
-            let why = match source.downcast_ref::<tokio_postgres::Error>() {
+            let mut why = match source.downcast_ref::<tokio_postgres::Error>() {
                 Some(e) => describe(e),
                 None => source.to_string(),
             };
+            // The driver's message alone says only "error performing TLS handshake":
+            // what went wrong is in its sources.
+            let db = source
+                .downcast_ref::<tokio_postgres::Error>()
+                .is_some_and(|e| e.as_db_error().is_some());
+            let mut cause = if db { None } else { source.source() };
+            while let Some(e) = cause {
+                let part = e.to_string();
+                if !why.contains(&part) {
+                    why.push_str(": ");
+                    why.push_str(&part);
+                }
+                cause = e.source();
+            }
             format!("could not connect to {host}:{port} ({phase}): {why}")
         }
         (None, None) => format!("could not connect to {host}:{port} ({phase})"),

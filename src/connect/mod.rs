@@ -7,21 +7,33 @@
 //!
 //! - both forms: `postgres://app:secret@db.internal:5432/app?sslmode=verify-full` and
 //!   `host=db.internal user=app dbname=app sslmode=verify-full`;
-//! - what the string leaves out comes from `PGHOST`, `PGPORT`, `PGUSER`, `PGPASSWORD`,
-//!   `PGDATABASE`, `PGAPPNAME`, `PGCONNECT_TIMEOUT`, `PGSSLMODE`, `PGSSLROOTCERT`,
-//!   `PGSSLCERT` and `PGSSLKEY`, and a password still missing from the password file
-//!   (`passfile`, `PGPASSFILE`, else `~/.pgpass`; ignored when others may read it);
+//! - what the string leaves out comes from the `PG*` variables (`PGHOST`, `PGPORT`,
+//!   `PGUSER`, `PGPASSWORD`, `PGDATABASE`, `PGAPPNAME`, `PGCONNECT_TIMEOUT`,
+//!   `PGSSLMODE`, `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`, `PGTARGETSESSIONATTRS`, ...),
+//!   and a password still missing from the password file (`passfile`, `PGPASSFILE`,
+//!   else `~/.pgpass`, read for each host of a list; ignored when others may read it);
+//! - every libpq setting is either honoured or refused with an error that names it (or
+//!   the variable it came from); a malformed percent-escape in a URL is refused;
+//! - `connect_timeout` bounds each host's whole startup (TCP, TLS, authentication, up
+//!   to ReadyForQuery; [`DEFAULT_CONNECT_TIMEOUT`] without one, none for 0); a failure
+//!   is [`Error::Connect`], naming the host, the port and the
+//!   [`ConnectPhase`](crate::ConnectPhase) it was waiting in; with several hosts the next is tried, and
+//!   `target_session_attrs` chooses among them;
 //! - `sslmode` is `disable`, `allow`, `prefer` (the default), `require`, `verify-ca` or
 //!   `verify-full`, with libpq's meaning: `prefer` and `require` encrypt without checking
 //!   the server's certificate, except that `require` checks it like `verify-ca` when a
-//!   root certificate is given; `verify-ca` checks that a trusted CA signed it;
-//!   `verify-full` also checks that it names the host connected to. `allow` is taken as
-//!   `prefer` (it tries TLS first rather than second).
+//!   root certificate is given; `verify-ca` checks that a trusted CA signed it (or that
+//!   it is itself in the root file, as a self-signed server certificate is);
+//!   `verify-full` also checks that it names the host connected to (its subjectAltName,
+//!   or its Common Name when it has no DNS name or IP address there). `allow` is taken
+//!   as `prefer` (it tries TLS first rather than second).
 //! - `sslrootcert` is a PEM file of trusted CAs, or `system` for the operating system's
-//!   store. Without it, `~/.postgresql/root.crt` when that exists, else the system's
-//!   store (libpq would refuse to verify; managed services' CAs are usually in the store
-//!   or published as a file to name here). `sslcert` and `sslkey` present a client
-//!   certificate.
+//!   store (which insists on `verify-full`, as libpq 16). Without it,
+//!   `~/.postgresql/root.crt` when that exists, else the system's store (libpq would
+//!   refuse to verify; managed services' CAs are usually in the store or published as a
+//!   file to name here). `sslcert` and `sslkey` (else `~/.postgresql/postgresql.crt` and
+//!   `.key`, when they exist) present a client certificate; a key file others may read
+//!   is refused, as libpq refuses it.
 //!
 //! ```
 //! use pgbus::{ConnectConfig, SslMode};

@@ -429,12 +429,12 @@ fn names_host(
                 }
                 GeneralName::IpAddress(bytes) => {
                     let listed = match bytes.as_bytes() {
-                        b4 if b4.len() == 4 => <[u8; 4]>::try_from(b4)
-                            .ok()
-                            .map(|b| std::net::IpAddr::from(b)),
-                        b16 if b16.len() == 16 => <[u8; 16]>::try_from(b16)
-                            .ok()
-                            .map(|b| std::net::IpAddr::from(b)),
+                        b4 if b4.len() == 4 => {
+                            <[u8; 4]>::try_from(b4).ok().map(std::net::IpAddr::from)
+                        }
+                        b16 if b16.len() == 16 => {
+                            <[u8; 16]>::try_from(b16).ok().map(std::net::IpAddr::from)
+                        }
                         _ => None,
                     };
                     match listed {
