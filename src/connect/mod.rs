@@ -12,6 +12,8 @@
 //!   `PGSSLMODE`, `PGSSLROOTCERT`, `PGSSLCERT`, `PGSSLKEY`, `PGTARGETSESSIONATTRS`, ...),
 //!   and a password still missing from the password file (`passfile`, `PGPASSFILE`,
 //!   else `~/.pgpass`, read for each host of a list; ignored when others may read it);
+//! - a service (`service`, `PGSERVICE`) fills what the string leaves out from the
+//!   service file, before the variables;
 //! - every libpq setting is either honoured or refused with an error that names it (or
 //!   the variable it came from); a malformed percent-escape in a URL is refused;
 //! - `connect_timeout` bounds each host's whole startup (TCP, TLS, authentication, up
@@ -62,6 +64,7 @@ use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::{AsyncMessage, Client};
 
 mod passfile;
+mod service;
 mod startup;
 mod tls;
 
@@ -296,6 +299,7 @@ impl ConnectConfig {
                 what: key,
             });
         }
+        apply_service(&mut pg, &mut settings, &env)?;
         for (key, var) in KEYWORDS {
             if let Some(var) = var
                 && !settings.iter().any(|s| s.key == key)
@@ -418,14 +422,8 @@ impl ConnectConfig {
                 "krbsrvname" | "gsslib" | "gssdelegation" => {
                     return Err(unsupported(what, v, "pgbus does not support GSSAPI"));
                 }
-                "service" | "servicefile" => {
-                    return Err(unsupported(
-                        what,
-                        v,
-                        "pgbus does not read service files: give the settings in the \
-                         connection string or the PG* variables",
-                    ));
-                }
+                // Read before the others (apply_service).
+                "service" | "servicefile" => {}
                 _ => return Err(unsupported(what, v, "pgbus does not support OAuth")),
             }
         }
@@ -735,6 +733,122 @@ struct Setting {
     key: &'static str,
     value: String,
     what: &'static str,
+}
+
+/// Adds the settings of the service that `service` (or `PGSERVICE`) names where the
+/// string gave none: tokio_postgres' into `pg`, pgbus's into `settings`.
+fn apply_service(
+    pg: &mut tokio_postgres::Config,
+    settings: &mut Vec<Setting>,
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<()> {
+    let given = |key: &str| settings.iter().find(|s| s.key == key);
+    let var = |name: &str| env(name).filter(|v| !v.is_empty());
+    let Some((name, what)) = given("service")
+        .map(|s| (s.value.clone(), s.what))
+        .or_else(|| var("PGSERVICE").map(|v| (v, "PGSERVICE")))
+    else {
+        return Ok(());
+    };
+    let file = given("servicefile")
+        .map(|s| s.value.clone())
+        .or_else(|| var("PGSERVICEFILE"))
+        .map(PathBuf::from);
+    let entries = service::lookup(
+        &name,
+        what,
+        file,
+        env("HOME").map(PathBuf::from),
+        var("PGSYSCONFDIR").map(PathBuf::from),
+    )?;
+    let mut passed = String::new();
+    for (key, value) in entries {
+        if PASSED.contains(&key.as_str()) {
+            let quoted = value.replace('\\', "\\\\").replace('\'', "\\'");
+            passed.push_str(&format!("{key}='{quoted}' "));
+        } else if let Some((key, _)) = KEYWORDS.iter().find(|(k, _)| *k == key) {
+            if !settings.iter().any(|s| s.key == *key) {
+                settings.push(Setting {
+                    key,
+                    value,
+                    what: key,
+                });
+            }
+        } else {
+            return Err(Error::invalid(
+                what,
+                format!("service {name:?} has an unknown setting {key:?}"),
+            ));
+        }
+    }
+    let from: tokio_postgres::Config = passed.parse().map_err(|e: tokio_postgres::Error| {
+        let why = std::error::Error::source(&e).map_or_else(|| e.to_string(), ToString::to_string);
+        Error::invalid(what, format!("service {name:?}: {why}"))
+    })?;
+    fill_missing(pg, &from);
+    Ok(())
+}
+
+/// Copies into `pg` what `from` sets and `pg` does not.
+fn fill_missing(pg: &mut tokio_postgres::Config, from: &tokio_postgres::Config) {
+    use tokio_postgres::config::Host;
+    let defaults = tokio_postgres::Config::new();
+    if let (None, Some(user)) = (pg.get_user(), from.get_user()) {
+        pg.user(user);
+    }
+    if let (None, Some(password)) = (pg.get_password(), from.get_password()) {
+        pg.password(password);
+    }
+    if let (None, Some(dbname)) = (pg.get_dbname(), from.get_dbname()) {
+        pg.dbname(dbname);
+    }
+    if let (None, Some(options)) = (pg.get_options(), from.get_options()) {
+        pg.options(options);
+    }
+    if let (None, Some(name)) = (pg.get_application_name(), from.get_application_name()) {
+        pg.application_name(name);
+    }
+    if pg.get_hosts().is_empty() && pg.get_hostaddrs().is_empty() {
+        for host in from.get_hosts() {
+            match host {
+                Host::Tcp(name) => pg.host(name),
+                #[cfg(unix)]
+                Host::Unix(dir) => pg.host_path(dir),
+            };
+        }
+        for addr in from.get_hostaddrs() {
+            pg.hostaddr(*addr);
+        }
+    }
+    if pg.get_ports().is_empty() {
+        for port in from.get_ports() {
+            pg.port(*port);
+        }
+    }
+    if let (None, Some(timeout)) = (pg.get_tcp_user_timeout(), from.get_tcp_user_timeout()) {
+        pg.tcp_user_timeout(*timeout);
+    }
+    if pg.get_keepalives() == defaults.get_keepalives() {
+        pg.keepalives(from.get_keepalives());
+    }
+    if pg.get_keepalives_idle() == defaults.get_keepalives_idle() {
+        pg.keepalives_idle(from.get_keepalives_idle());
+    }
+    if let (None, Some(interval)) = (pg.get_keepalives_interval(), from.get_keepalives_interval()) {
+        pg.keepalives_interval(interval);
+    }
+    if let (None, Some(retries)) = (pg.get_keepalives_retries(), from.get_keepalives_retries()) {
+        pg.keepalives_retries(retries);
+    }
+    if pg.get_channel_binding() == defaults.get_channel_binding() {
+        pg.channel_binding(from.get_channel_binding());
+    }
+    if pg.get_load_balance_hosts() == defaults.get_load_balance_hosts() {
+        pg.load_balance_hosts(from.get_load_balance_hosts());
+    }
+    if pg.get_ssl_negotiation() == defaults.get_ssl_negotiation() {
+        pg.ssl_negotiation(from.get_ssl_negotiation());
+    }
 }
 
 /// "0"/"1" (and libpq's other spellings of a boolean).
