@@ -56,6 +56,8 @@ pub(crate) struct Db {
     begin: Option<Arc<str>>,
     /// Limits the warning that a direct bus seems to be behind a pooler.
     pooler_hint: Arc<WarnGate>,
+    /// Why the pool's last connection could not be opened.
+    failed: Arc<std::sync::Mutex<Option<Error>>>,
 }
 
 impl std::fmt::Debug for Db {
@@ -73,6 +75,9 @@ struct Opener {
     connect: ConnectConfig,
     /// On a direct connection: the session's settings.
     setup: Option<String>,
+    /// Why the last connection could not be opened: the pool's interface carries only
+    /// the driver's errors, so [`Db::get`] reports this one instead.
+    failed: Arc<std::sync::Mutex<Option<Error>>>,
 }
 
 impl deadpool_postgres::Connect for Opener {
@@ -85,7 +90,13 @@ impl deadpool_postgres::Connect for Opener {
     > {
         let pg_config = pg_config.clone();
         async move {
-            let (client, messages) = self.connect.connect_raw(&pg_config).await?;
+            let (client, messages) = match self.connect.connect_raw(&pg_config).await {
+                Ok(connected) => connected,
+                Err(e) => {
+                    *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    return Err(stand_in_error());
+                }
+            };
             let driver = tokio::spawn(crate::connect::drive(messages));
             if let Some(setup) = &self.setup {
                 client.batch_execute(setup).await?;
@@ -94,6 +105,24 @@ impl deadpool_postgres::Connect for Opener {
         }
         .boxed()
     }
+}
+
+/// The text of the driver error that stands in, inside the pool, for a connection
+/// error of pgbus's own.
+const STAND_IN: &str = "pgbus_connect_failed";
+
+/// A driver error that stands in for [`Opener`]'s own (the driver's errors cannot be
+/// made outside it; this one is a configuration parse error that names [`STAND_IN`]).
+fn stand_in_error() -> tokio_postgres::Error {
+    match format!("{STAND_IN}=1").parse::<tokio_postgres::Config>() {
+        Err(e) => e,
+        Ok(_) => unreachable!("tokio_postgres refuses unknown options"),
+    }
+}
+
+/// Whether `e` is [`stand_in_error`].
+fn is_stand_in(e: &tokio_postgres::Error) -> bool {
+    e.as_db_error().is_none() && format!("{e:?}").contains(STAND_IN)
 }
 
 impl Db {
@@ -106,9 +135,11 @@ impl Db {
         // protect, which only a fresh snapshot per statement shows: whatever the
         // database's default, the bus's own transactions are READ COMMITTED.
         let isolation = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
+        let failed = Arc::default();
         let opener = Opener {
             connect: connect.clone(),
             setup: (!pooler).then(|| format!("{}; {isolation}", session.set(""))),
+            failed: Arc::clone(&failed),
         };
         let manager = Manager::from_connect(
             connect.pg_config().clone(),
@@ -121,7 +152,9 @@ impl Db {
             .max_size(session.pool_size)
             .runtime(Runtime::Tokio1)
             .wait_timeout(Some(Duration::from_secs(10)))
-            .create_timeout(Some(Duration::from_secs(10)))
+            // Opening a connection is bounded by the configuration's startup bound,
+            // host by host, and fails with the error that names the host and phase.
+            .create_timeout(None)
             .recycle_timeout(Some(Duration::from_secs(5)))
             .build()
             // Fails only without a runtime for its timeouts, which is set above.
@@ -138,12 +171,23 @@ impl Db {
             connect,
             begin,
             pooler_hint: Arc::default(),
+            failed,
         })
     }
 
     /// Takes a connection from the pool.
     pub(crate) async fn get(&self) -> Result<Object> {
-        Ok(self.pool.get().await?)
+        match self.pool.get().await {
+            Ok(client) => Ok(client),
+            Err(deadpool_postgres::PoolError::Backend(e)) if is_stand_in(&e) => {
+                let failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+                Err(failed
+                    .as_ref()
+                    .and_then(Error::copy_connect)
+                    .unwrap_or(Error::Unexpected("a connection could not be opened")))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Closes the pool.

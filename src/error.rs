@@ -79,6 +79,30 @@ pub enum Error {
     /// or the pool is closed).
     #[error("connection pool error: {0}")]
     Pool(#[source] PoolError),
+    /// No connection to the server could be opened: the host and port tried last, what
+    /// pgbus was waiting for when it gave up ([`ConnectPhase`]), and why: the startup
+    /// bound (`connect_timeout`, 10 s by default) ran out, or the network, the TLS
+    /// handshake or the server failed it (the `source()`). With several hosts
+    /// (`host=a,b`), each is tried in turn and `earlier` says how the others failed.
+    /// [`Error::code`] gives the SQLSTATE when the server refused the login.
+    #[error("{}", describe_connect(host, *port, *phase, *timed_out, source.as_deref(), earlier))]
+    Connect {
+        /// The host tried last, as the connection string names it (a name, an address,
+        /// or a socket directory).
+        host: String,
+        /// Its port.
+        port: u16,
+        /// What pgbus was waiting for when the attempt ended.
+        phase: ConnectPhase,
+        /// The startup bound, when it ran out (the server did not answer in time).
+        timed_out: Option<Duration>,
+        /// Why the attempt failed, when it did not time out: the network's, the TLS
+        /// library's or the server's error, or that the server does not speak
+        /// PostgreSQL's protocol.
+        source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+        /// How the hosts tried before this one failed, in order.
+        earlier: Vec<String>,
+    },
     /// A wait inside pgbus ran past its deadline.
     #[error("timed out while {0}")]
     Timeout(&'static str),
@@ -132,6 +156,7 @@ impl Error {
         match self {
             Error::Database(e) | Error::SchemaMissing(e) => e.code(),
             Error::Settle(e) | Error::SettleUnknown(e) => e.code(),
+            Error::Connect { .. } => self.connect_db_error().and_then(|e| e.code()),
             #[cfg(feature = "sqlx")]
             Error::Sqlx(e) => e.code.as_ref(),
             _ => None,
@@ -143,6 +168,18 @@ impl Error {
         match self {
             Error::Database(e) | Error::SchemaMissing(e) => e.as_db_error(),
             Error::Settle(e) | Error::SettleUnknown(e) => e.as_db_error(),
+            Error::Connect { .. } => self.connect_db_error().and_then(|e| e.as_db_error()),
+            _ => None,
+        }
+    }
+
+    /// The driver's error behind an [`Error::Connect`], when the server answered with one.
+    fn connect_db_error(&self) -> Option<&tokio_postgres::Error> {
+        match self {
+            Error::Connect {
+                source: Some(source),
+                ..
+            } => source.downcast_ref::<tokio_postgres::Error>(),
             _ => None,
         }
     }
@@ -165,6 +202,13 @@ impl Error {
                     })
             }
             Error::Pool(_) => true,
+            // The server could not be reached, or answered the login with a connection
+            // exception or "starting up"; a refused login (28...) is not one.
+            Error::Connect { .. } => self.code().is_none_or(|c| {
+                c.code().starts_with("08")
+                    || c.code().starts_with("57P")
+                    || c.code().starts_with("53")
+            }),
             Error::Settle(e) | Error::SettleUnknown(e) => e.is_connection(),
             #[cfg(feature = "sqlx")]
             Error::Sqlx(e) => e.is_connection(),
@@ -208,6 +252,29 @@ impl Error {
     pub(crate) fn is_data_fault(&self) -> bool {
         self.code()
             .is_some_and(|c| matches!(&c.code()[..2], "22" | "23" | "54"))
+    }
+
+    /// A copy of an [`Error::Connect`] (its source is shared), for the pool to hand the
+    /// same failure to every caller that waited on it.
+    pub(crate) fn copy_connect(&self) -> Option<Error> {
+        match self {
+            Error::Connect {
+                host,
+                port,
+                phase,
+                timed_out,
+                source,
+                earlier,
+            } => Some(Error::Connect {
+                host: host.clone(),
+                port: *port,
+                phase: *phase,
+                timed_out: *timed_out,
+                source: source.clone(),
+                earlier: earlier.clone(),
+            }),
+            _ => None,
+        }
     }
 
     pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
@@ -265,6 +332,101 @@ fn char_floor(s: &str, at: usize) -> usize {
         at -= 1;
     }
     at
+}
+
+/// What a connection attempt was waiting for when it ended (see [`Error::Connect`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ConnectPhase {
+    /// Looking up the host name.
+    Resolving,
+    /// Waiting for the TCP (or Unix socket) connection.
+    Connecting,
+    /// Waiting for the server's one-byte answer to the request for TLS.
+    TlsRequest,
+    /// Waiting for the TLS handshake.
+    TlsHandshake,
+    /// The startup message was sent: waiting for the server to authenticate the login.
+    Authenticating,
+    /// Logged in: waiting for the server's parameters and its first ReadyForQuery.
+    Starting,
+    /// Connected: checking that the server is what `target_session_attrs` asks for.
+    CheckingSession,
+}
+
+impl ConnectPhase {
+    /// The phase in words, as the error message says it ("waiting for the TLS
+    /// handshake").
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConnectPhase::Resolving => "looking up the host name",
+            ConnectPhase::Connecting => "waiting for the TCP connection",
+            ConnectPhase::TlsRequest => "waiting for the answer to the TLS request",
+            ConnectPhase::TlsHandshake => "waiting for the TLS handshake",
+            ConnectPhase::Authenticating => "waiting for authentication",
+            ConnectPhase::Starting => "waiting for the session to start",
+            ConnectPhase::CheckingSession => "checking target_session_attrs",
+        }
+    }
+}
+
+impl fmt::Display for ConnectPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// [`Error::Connect`]'s message: the host and port, the phase, and why.
+fn describe_connect(
+    host: &str,
+    port: u16,
+    phase: ConnectPhase,
+    timed_out: Option<Duration>,
+    source: Option<&(dyn std::error::Error + Send + Sync + 'static)>,
+    earlier: &[String],
+) -> String {
+    let mut text = match (timed_out, source) {
+        (Some(bound), _) => format!(
+            "could not connect to {host}:{port}: no answer within {} {phase}",
+            seconds(bound)
+        ),
+        (None, Some(source)) => {
+            let mut why = match source.downcast_ref::<tokio_postgres::Error>() {
+                Some(e) => describe(e),
+                None => source.to_string(),
+            };
+            // The driver's message alone says only "error performing TLS handshake":
+            // what went wrong is in its sources.
+            let db = source
+                .downcast_ref::<tokio_postgres::Error>()
+                .is_some_and(|e| e.as_db_error().is_some());
+            let mut cause = if db { None } else { source.source() };
+            while let Some(e) = cause {
+                let part = e.to_string();
+                if !why.contains(&part) {
+                    why.push_str(": ");
+                    why.push_str(&part);
+                }
+                cause = e.source();
+            }
+            format!("could not connect to {host}:{port} ({phase}): {why}")
+        }
+        (None, None) => format!("could not connect to {host}:{port} ({phase})"),
+    };
+    if !earlier.is_empty() {
+        text.push_str("; before it, ");
+        text.push_str(&earlier.join("; "));
+    }
+    text.replace('\n', " ")
+}
+
+/// A duration as "3 s" or "1.5 s".
+fn seconds(d: Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
 }
 
 /// What PostgreSQL said, with its SQLSTATE (tokio-postgres alone displays "db error").

@@ -68,10 +68,10 @@ pub use bus::{
     DEFAULT_RETENTION, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STATEMENT_TIMEOUT,
     DEFAULT_SYNCHRONOUS_COMMIT, RunningBus,
 };
-pub use connect::{ConnectConfig, SslMode};
+pub use connect::{ConnectConfig, DEFAULT_CONNECT_TIMEOUT, ServerStream, SslMode};
 pub use context::Context;
 pub use delivery::{Delivery, Subscription};
-pub use error::{Error, HandlerError, MAX_ERROR_TEXT, PoolError, Result};
+pub use error::{ConnectPhase, Error, HandlerError, MAX_ERROR_TEXT, PoolError, Result};
 pub use event::{
     DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_DELAY, MAX_EVENT_BYTES, MAX_JSON_DEPTH, MAX_NAME_BYTES,
     is_invisible, pattern_matches,

@@ -26,7 +26,6 @@ pub(crate) const CHANNEL: &str = "pgbus";
 /// How often the listener pings its connection, and how long a ping may take.
 const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The claimer's wake signal: coalescing (many wake-ups while it claims make one more
 /// claim), and it remembers whether the pending wake-up came from a notification.
@@ -111,10 +110,11 @@ impl Listener {
     /// Connects and LISTENs, reading the connection meanwhile (the query completes only
     /// while it is polled; a notification that arrives first wakes the claimer).
     async fn connect(&self) -> Result<(Client, Messages), String> {
-        let connect = self.config.connect_raw(self.config.pg_config());
-        let (client, mut messages) = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+        // Bounded by the configuration's startup bound; the error names host and phase.
+        let (client, mut messages) = self
+            .config
+            .connect_raw(self.config.pg_config())
             .await
-            .map_err(|_| "connect timed out".to_string())?
             .map_err(|e| e.to_string())?;
         {
             let listen = client.batch_execute("LISTEN pgbus");

@@ -3,13 +3,21 @@
 //! means it, a wrong CA and a wrong host name refused with a reason that says so, root
 //! certificates from `sslrootcert`, `PGSSLROOTCERT` and `~/.postgresql/root.crt`, and a
 //! bus whose pool and LISTEN connection are both encrypted.
+//!
+//! The certificates libpq accepts are accepted: the self-signed one PostgreSQL's
+//! documentation makes (its own root), and one that names the host only in its Common
+//! Name; one whose subjectAltName names another host is refused for `verify-full` even
+//! when its Common Name matches, as libpq refuses it.
+//!
+//! Client certificates come from `sslcert`/`sslkey` or, as libpq, from
+//! `~/.postgresql/postgresql.crt` and `.key`; a key file others may read is refused.
 
 use std::path::Path;
 use std::time::Duration;
 
 use futures::StreamExt;
 use pgbus::{Bus, ConnectConfig, Event, SslMode};
-use pgbus_testkit::tls::TlsServer;
+use pgbus_testkit::tls::{ServerCertificate, TlsServer};
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -206,4 +214,212 @@ async fn a_bus_claims_acks_and_listens_over_verified_tls() {
         0,
     )
     .await;
+}
+
+/// Connects to `server` at `host` with `sslmode` and `root`; `Ok(())` or the error.
+async fn verdict(server: &TlsServer, host: &str, sslmode: &str, root: &str) -> Result<(), String> {
+    let home = empty_home();
+    encrypted_at(at(server, host, sslmode, root), home.path())
+        .await
+        .map(|encrypted| assert!(encrypted))
+}
+
+#[tokio::test]
+async fn the_documented_self_signed_certificate_is_its_own_root() {
+    let server = TlsServer::start_with(ServerCertificate::SelfSigned)
+        .await
+        .unwrap();
+    // sslrootcert is the server's own certificate (`cp server.crt root.crt`).
+    let own = ca(&server);
+    assert_eq!(
+        verdict(&server, "127.0.0.1", "verify-ca", &own).await,
+        Ok(())
+    );
+    assert_eq!(
+        verdict(&server, "localhost", "verify-ca", &own).await,
+        Ok(())
+    );
+    // Its only name is its Common Name, which libpq checks when there is no
+    // subjectAltName.
+    assert_eq!(
+        verdict(&server, "localhost", "verify-full", &own).await,
+        Ok(())
+    );
+    let err = verdict(&server, "127.0.0.1", "verify-full", &own)
+        .await
+        .unwrap_err();
+    assert!(err.contains("not valid for name"), "{err}");
+    // Another self-signed certificate (the kit's other CA) does not vouch for it.
+    for mode in ["verify-ca", "verify-full"] {
+        let err = verdict(&server, "localhost", mode, &wrong_ca(&server))
+            .await
+            .unwrap_err();
+        assert!(err.contains("UnknownIssuer"), "{mode}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn a_common_name_names_the_host_only_without_an_alternative_name() {
+    let cn_only = TlsServer::start_with(ServerCertificate::CommonNameOnly)
+        .await
+        .unwrap();
+    let ca_pem = ca(&cn_only);
+    assert_eq!(
+        verdict(&cn_only, "localhost", "verify-full", &ca_pem).await,
+        Ok(())
+    );
+    assert_eq!(
+        verdict(&cn_only, "127.0.0.1", "verify-ca", &ca_pem).await,
+        Ok(())
+    );
+    let err = verdict(&cn_only, "127.0.0.1", "verify-full", &ca_pem)
+        .await
+        .unwrap_err();
+    assert!(err.contains("not valid for name"), "{err}");
+    let err = verdict(&cn_only, "localhost", "verify-full", &wrong_ca(&cn_only))
+        .await
+        .unwrap_err();
+    assert!(err.contains("UnknownIssuer"), "{err}");
+
+    // A subjectAltName that names another host: the Common Name no longer counts.
+    let other = TlsServer::start_with(ServerCertificate::OtherAltName)
+        .await
+        .unwrap();
+    let ca_pem = ca(&other);
+    let err = verdict(&other, "localhost", "verify-full", &ca_pem)
+        .await
+        .unwrap_err();
+    assert!(err.contains("not valid for name"), "{err}");
+    assert_eq!(
+        verdict(&other, "localhost", "verify-ca", &ca_pem).await,
+        Ok(())
+    );
+}
+
+#[tokio::test]
+async fn system_roots_insist_on_verify_full() {
+    let server = TlsServer::shared().await;
+    let home = empty_home();
+    for mode in ["require", "verify-ca"] {
+        match ConnectConfig::parse_with_env(
+            &server.url(mode, &[("sslrootcert", "system")]),
+            env_with(home.path(), &[]),
+        ) {
+            Err(pgbus::Error::Invalid { what, reason }) => {
+                assert_eq!(what, "sslmode", "{reason}");
+                assert!(reason.contains("verify-full"), "{reason}");
+            }
+            other => panic!("sslmode={mode}: {other:?}"),
+        }
+    }
+    // Without an sslmode, sslrootcert=system means verify-full (as libpq 16).
+    let url = server
+        .url("verify-full", &[("sslrootcert", "system")])
+        .replace("sslmode=verify-full&", "");
+    let config = ConnectConfig::parse_with_env(&url, env_with(home.path(), &[])).unwrap();
+    assert_eq!(config.ssl_mode(), SslMode::VerifyFull);
+}
+
+/// Writes `text` to `path` with `mode`.
+fn write_mode(path: &Path, text: &str, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+#[tokio::test]
+async fn client_certificates_come_from_the_home_directory_and_keys_must_be_private() {
+    let server = TlsServer::start_requiring_client_certificates()
+        .await
+        .unwrap();
+    let (cert, key) = server.client_certificate();
+    // No password: the certificate is the login.
+    let url = format!(
+        "postgresql://{}@localhost:{}/{}?sslmode=verify-full",
+        server.user(),
+        server.port(),
+        server.database()
+    );
+    let home = empty_home();
+    let dir = home.path().join(".postgresql");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::copy(server.ca_pem(), dir.join("root.crt")).unwrap();
+
+    // Without a certificate the server refuses the login.
+    let err = encrypted(&url, env_with(home.path(), &[]))
+        .await
+        .unwrap_err();
+    assert!(err.contains("certificate"), "{err}");
+
+    // ~/.postgresql/postgresql.crt and .key are used when they exist.
+    write_mode(&dir.join("postgresql.crt"), cert, 0o644);
+    write_mode(&dir.join("postgresql.key"), key, 0o600);
+    assert_eq!(encrypted(&url, env_with(home.path(), &[])).await, Ok(true));
+
+    // sslcertmode=disable presents none.
+    let err = encrypted(
+        &format!("{url}&sslcertmode=disable"),
+        env_with(home.path(), &[]),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.contains("certificate"), "{err}");
+
+    // A key that group or others may read is refused before connecting, as libpq does.
+    write_mode(&dir.join("postgresql.key"), key, 0o644);
+    match ConnectConfig::parse_with_env(&url, env_with(home.path(), &[])) {
+        Err(pgbus::Error::Invalid { what, reason }) => {
+            assert_eq!(what, "sslkey", "{reason}");
+            assert!(reason.contains("chmod 0600"), "{reason}");
+        }
+        other => panic!("a readable key was accepted: {other:?}"),
+    }
+
+    // sslcert and sslkey name them anywhere; PGSSLCERT and PGSSLKEY too.
+    let elsewhere = empty_home();
+    let (cert_path, key_path) = (
+        elsewhere.path().join("client.crt"),
+        elsewhere.path().join("client.key"),
+    );
+    write_mode(&cert_path, cert, 0o644);
+    write_mode(&key_path, key, 0o600);
+    let named = format!(
+        "{url}&sslrootcert={}&sslcert={}&sslkey={}",
+        ca(&server),
+        cert_path.display(),
+        key_path.display()
+    );
+    assert_eq!(
+        encrypted(&named, env_with(elsewhere.path(), &[])).await,
+        Ok(true)
+    );
+    let from_env = env_with(
+        elsewhere.path(),
+        &[
+            ("PGSSLROOTCERT", ca(&server)),
+            ("PGSSLCERT", cert_path.display().to_string()),
+            ("PGSSLKEY", key_path.display().to_string()),
+        ],
+    );
+    assert_eq!(encrypted(&url, from_env).await, Ok(true));
+
+    // An encrypted key is refused, naming the setting, rather than failing later.
+    let encrypted_key = elsewhere.path().join("encrypted.key");
+    write_mode(
+        &encrypted_key,
+        "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n",
+        0o600,
+    );
+    let with_password = format!(
+        "{url}&sslcert={}&sslkey={}&sslpassword=secret",
+        cert_path.display(),
+        encrypted_key.display()
+    );
+    match ConnectConfig::parse_with_env(&with_password, env_with(elsewhere.path(), &[])) {
+        Err(pgbus::Error::Invalid { what, reason }) => {
+            assert_eq!(what, "sslkey", "{reason}");
+            assert!(reason.contains("sslpassword"), "{reason}");
+        }
+        other => panic!("an encrypted key was accepted: {other:?}"),
+    }
 }

