@@ -83,6 +83,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "publish_path",
         sql: include_str!("../sql/0011_publish_path.sql"),
     },
+    Migration {
+        version: 14,
+        name: "input_bounds",
+        sql: include_str!("../sql/0014_input_bounds.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]
