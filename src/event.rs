@@ -784,4 +784,96 @@ mod tests {
         assert!(e.encode(50).is_err());
         assert!(e.encode(200).is_ok());
     }
+
+    #[test]
+    fn json_is_measured_as_jsonb_writes_it() {
+        let bytes = |text: &str| json_text_bytes(&serde_json::from_str(text).unwrap());
+        assert_eq!(
+            bytes(r#"{"a":[1,2],"b":{}}"#),
+            r#"{"a": [1, 2], "b": {}}"#.len()
+        );
+        assert_eq!(
+            bytes(r#""a\"b\\c\n\u0001é""#),
+            r#""a\"b\\c\n\u0001é""#.len()
+        );
+        for (number, as_jsonb) in [
+            ("1.50e1", "15.0"),
+            ("100e-2", "1.00"),
+            ("-0.0", "0.0"),
+            ("-0", "0"),
+            ("0e5", "0"),
+            ("1e-3", "0.001"),
+            ("-12.5E+2", "-1250"),
+            ("0.00", "0.00"),
+            (
+                "123456789012345678901234567890",
+                "123456789012345678901234567890",
+            ),
+            ("1e3", "1000"),
+        ] {
+            assert_eq!(bytes(number), as_jsonb.len(), "{number}");
+        }
+        assert_eq!(bytes("1e131071"), 131_072);
+        // An exponent PostgreSQL cannot take makes a number too long for any limit.
+        assert!(bytes("1e99999999999999999999999") > MAX_EVENT_BYTES);
+        assert!(bytes("1e-99999999999999999999999") > MAX_EVENT_BYTES);
+    }
+
+    #[test]
+    fn the_payload_limit_counts_what_is_delivered() {
+        // Seven bytes as serde_json writes it, nine as delivered: "[1, 2, 3]".
+        let e = Event::new("a", json!([1, 2, 3]));
+        assert!(e.encode(8).is_err());
+        assert!(e.encode(9).is_ok());
+        let bomb: Value =
+            serde_json::from_str(&format!("[{}]", ["1e131071"; 130].join(","))).unwrap();
+        let err = Event::new("a", bomb).encode(usize::MAX).unwrap_err();
+        assert!(matches!(err, Error::Invalid { what: "event", .. }), "{err}");
+    }
+
+    #[test]
+    fn keys_are_bounded() {
+        let at = |n: usize| "k".repeat(n);
+        let cases: [(&str, fn(Event, String) -> Event, usize); 6] = [
+            ("aggregate type", |e, s| e.aggregate(s, "1"), MAX_NAME_BYTES),
+            ("source", |e, s| e.source(s), MAX_NAME_BYTES),
+            ("aggregate id", |e, s| e.aggregate("t", s), MAX_KEY_BYTES),
+            ("ordering key", |e, s| e.ordering_key(s), MAX_KEY_BYTES),
+            ("correlation id", |e, s| e.correlation_id(s), MAX_KEY_BYTES),
+            ("causation id", |e, s| e.causation_id(s), MAX_KEY_BYTES),
+        ];
+        for (what, set, max) in cases {
+            let ok = set(Event::new("a", json!({})), at(max));
+            assert!(ok.encode(DEFAULT_MAX_PAYLOAD_BYTES).is_ok(), "{what}");
+            let long = set(Event::new("a", json!({})), at(max + 1));
+            let err = long.encode(DEFAULT_MAX_PAYLOAD_BYTES).unwrap_err();
+            assert!(
+                matches!(err, Error::Invalid { what: w, .. } if w == what),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn lookalikes_are_invisible() {
+        for c in [
+            '\u{00AD}',
+            '\u{034F}',
+            '\u{115F}',
+            '\u{180B}',
+            '\u{2028}',
+            '\u{2029}',
+            '\u{3164}',
+            '\u{FE0F}',
+            '\u{FFA0}',
+            '\u{E0041}',
+        ] {
+            assert!(is_invisible(c), "{c:?}");
+            let e = Event::new("a", json!({})).aggregate("order", format!("order-{c}42"));
+            assert!(e.encode(DEFAULT_MAX_PAYLOAD_BYTES).is_err(), "{c:?}");
+        }
+        assert!(!is_invisible('a') && !is_invisible('\u{00A0}') && !is_invisible('注'));
+        assert!(validate_name("event name", "a\u{00A0}b").is_err());
+        assert!(validate_name("event name", "a\u{3000}b").is_err());
+    }
 }
