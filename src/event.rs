@@ -834,7 +834,8 @@ mod tests {
     #[test]
     fn keys_are_bounded() {
         let at = |n: usize| "k".repeat(n);
-        let cases: [(&str, fn(Event, String) -> Event, usize); 6] = [
+        type Set = fn(Event, String) -> Event;
+        let cases: [(&str, Set, usize); 6] = [
             ("aggregate type", |e, s| e.aggregate(s, "1"), MAX_NAME_BYTES),
             ("source", |e, s| e.source(s), MAX_NAME_BYTES),
             ("aggregate id", |e, s| e.aggregate("t", s), MAX_KEY_BYTES),
