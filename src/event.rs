@@ -8,8 +8,17 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 
-/// The longest event name, subscription name or event id, in bytes.
+/// The longest event name, subscription name or event id, in bytes; also the longest
+/// aggregate type and source.
 pub const MAX_NAME_BYTES: usize = 255;
+
+/// The longest aggregate id, ordering key, correlation id or causation id, in bytes: 512.
+///
+/// Ordered subscriptions keep an event's key (its ordering key, or `"type:id"`) in btree
+/// indexes, whose entries hold at most about 2.7 kB: with these bounds a key is at most
+/// 768 bytes. Publishing refuses a longer identifier with [`Error::Invalid`]; the schema
+/// refuses it for every SQL writer (SQLSTATE 23514, constraint `events_<column>_length`).
+pub const MAX_KEY_BYTES: usize = 512;
 
 /// The deepest nesting of arrays and objects accepted in a payload or headers: 127, the
 /// most that a reader using serde_json's default recursion limit (tokio-postgres among
@@ -19,13 +28,17 @@ pub const MAX_JSON_DEPTH: usize = 127;
 /// The longest [`Event::delay`]: 100 years (36,500 days). Longer is refused as bad input.
 pub const MAX_DELAY: Duration = Duration::from_secs(36_500 * 24 * 3600);
 
-/// The default limit on an event's payload, in bytes of JSON text: 1 MiB.
+/// The default limit on an event's payload, in bytes of JSON text as consumers receive it
+/// (see [`json_text_bytes`]): 1 MiB.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
-/// The schema's own limit on an event's payload and headers together, in bytes of their
-/// stored jsonb form (`pg_column_size`): 16 MiB. It holds for every writer, SQL included
-/// (the CHECK constraint `events_size_limit`), whatever
-/// [`Publisher::max_payload_bytes`](crate::Publisher::max_payload_bytes) allows.
+/// The schema's own limit on an event's payload and headers together: 16 MiB of JSON
+/// text as consumers receive it, PostgreSQL's text form of the stored jsonb
+/// (`octet_length(payload::text) + octet_length(headers::text)`, see [`json_text_bytes`]),
+/// whatever the stored, possibly compressed, size. It holds for every writer, SQL
+/// included (the CHECK constraint `events_size_limit`, SQLSTATE 23514), whatever
+/// [`Publisher::max_payload_bytes`](crate::Publisher::max_payload_bytes) allows; the
+/// library checks it before sending.
 pub const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
 
 /// An event: the immutable envelope written to `pgbus.events`.
@@ -248,17 +261,30 @@ impl Event {
     pub(crate) fn encode(&self, max_payload_bytes: usize) -> Result<Encoded> {
         self.check_identifiers()?;
         self.check_json()?;
-        let payload = serde_json::to_string(&self.payload)
-            .map_err(|e| Error::invalid("payload", e.to_string()))?;
-        if payload.len() > max_payload_bytes {
+        // Measured as consumers will receive it, before anything is serialized: a number
+        // like 1e131071 is 8 bytes here and 131,072 digits there.
+        let payload_bytes = json_text_bytes(&self.payload);
+        if payload_bytes > max_payload_bytes {
             return Err(Error::invalid(
                 "payload",
                 format!(
-                    "{} bytes of JSON exceeds the limit of {max_payload_bytes} bytes",
-                    payload.len()
+                    "{payload_bytes} bytes of JSON exceeds the limit of {max_payload_bytes} \
+                     bytes"
                 ),
             ));
         }
+        let total = payload_bytes.saturating_add(json_text_bytes(&self.headers));
+        if total > MAX_EVENT_BYTES {
+            return Err(Error::invalid(
+                "event",
+                format!(
+                    "payload and headers are {total} bytes of JSON together, more than the \
+                     schema's limit of {MAX_EVENT_BYTES} bytes"
+                ),
+            ));
+        }
+        let payload = serde_json::to_string(&self.payload)
+            .map_err(|e| Error::invalid("payload", e.to_string()))?;
         let headers = serde_json::to_string(&self.headers)
             .map_err(|e| Error::invalid("headers", e.to_string()))?;
         let delay_ms = match self.delay {
@@ -291,15 +317,29 @@ impl Event {
                 ),
             ));
         }
-        for (what, text) in [
-            ("event id", Some(self.id.as_str())),
-            ("source", self.source.as_deref()),
-            ("aggregate type", self.aggregate_type.as_deref()),
-            ("aggregate id", self.aggregate_id.as_deref()),
-            ("correlation id", self.correlation_id.as_deref()),
-            ("causation id", self.causation_id.as_deref()),
-            ("ordering key", self.ordering_key.as_deref()),
+        for (what, text, max) in [
+            ("event id", Some(self.id.as_str()), MAX_NAME_BYTES),
+            ("source", self.source.as_deref(), MAX_NAME_BYTES),
+            (
+                "aggregate type",
+                self.aggregate_type.as_deref(),
+                MAX_NAME_BYTES,
+            ),
+            ("aggregate id", self.aggregate_id.as_deref(), MAX_KEY_BYTES),
+            (
+                "correlation id",
+                self.correlation_id.as_deref(),
+                MAX_KEY_BYTES,
+            ),
+            ("causation id", self.causation_id.as_deref(), MAX_KEY_BYTES),
+            ("ordering key", self.ordering_key.as_deref(), MAX_KEY_BYTES),
         ] {
+            if let Some(len) = text.map(str::len).filter(|len| *len > max) {
+                return Err(Error::invalid(
+                    what,
+                    format!("must be at most {max} bytes, got {len} bytes"),
+                ));
+            }
             if text.is_some_and(|t| t.contains('\0')) {
                 return Err(Error::invalid(
                     what,
@@ -353,8 +393,9 @@ pub(crate) struct Encoded {
     pub(crate) delay_ms: Option<i64>,
 }
 
-/// Checks an event or subscription name: 1 to 255 bytes, no white space, control
-/// characters or `*`. The same rule is a CHECK constraint in the schema.
+/// Checks an event or subscription name: 1 to 255 bytes, no white space (Unicode's
+/// White_Space, U+00A0 included), control, invisible ([`is_invisible`]) characters or `*`.
+/// The same rule is a CHECK constraint in the schema.
 pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
     if name.is_empty() {
         return Err(Error::invalid(what, "must not be empty"));
@@ -383,21 +424,121 @@ pub(crate) fn validate_name(what: &'static str, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Whether `c` is an invisible formatting character: one that changes how the text
-/// around it reads without showing itself (bidirectional marks, embeddings, overrides
-/// and isolates, zero-width characters, the byte order mark). pgbus refuses them, with
-/// control characters, in ids and names; the schema refuses the same
-/// (`pgbus.visible_text`).
+/// Whether `c` is invisible: a code point of Unicode's Default_Ignorable_Code_Point set
+/// (bidirectional marks and controls, zero-width characters, the soft hyphen, variation
+/// selectors, Hangul fillers, tags, the byte order mark, ...), which renders as nothing
+/// or changes how the text around it reads, or the line or paragraph separator (U+2028,
+/// U+2029). Two ids that differ only by such characters print alike. pgbus refuses them,
+/// with control characters, in ids, keys and names; the schema refuses the same
+/// (`pgbus.visible_text` and the events' CHECK constraints).
 pub fn is_invisible(c: char) -> bool {
-    matches!(
-        c,
-        '\u{061C}'
-            | '\u{180E}'
-            | '\u{200B}'..='\u{200F}'
-            | '\u{202A}'..='\u{202E}'
-            | '\u{2060}'..='\u{2069}'
-            | '\u{FEFF}'
-    )
+    let c = u32::from(c);
+    c >= 0xAD
+        && (c == 0x2028
+            || c == 0x2029
+            || DEFAULT_IGNORABLE
+                .iter()
+                .any(|&(first, last)| (first..=last).contains(&c)))
+}
+
+/// Unicode's Default_Ignorable_Code_Point property (DerivedCoreProperties.txt), as
+/// inclusive ranges of code points. Generated from the Unicode data: `tests/visible_text.rs`
+/// compares it, and the schema's checks, with that data for every code point, and prints
+/// the table anew when a Unicode version changes it.
+const DEFAULT_IGNORABLE: [(u32, u32); 17] = [
+    (0x00AD, 0x00AD),
+    (0x034F, 0x034F),
+    (0x061C, 0x061C),
+    (0x115F, 0x1160),
+    (0x17B4, 0x17B5),
+    (0x180B, 0x180F),
+    (0x200B, 0x200F),
+    (0x202A, 0x202E),
+    (0x2060, 0x206F),
+    (0x3164, 0x3164),
+    (0xFE00, 0xFE0F),
+    (0xFEFF, 0xFEFF),
+    (0xFFA0, 0xFFA0),
+    (0xFFF0, 0xFFF8),
+    (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A),
+    (0xE0000, 0xE0FFF),
+];
+
+/// The bytes of JSON text that PostgreSQL gives back for `value` stored as `jsonb`
+/// (`octet_length(value::jsonb::text)`): what a consumer receives, in either wire format,
+/// and what pgbus's size limits measure. It differs from `serde_json::to_string`: jsonb
+/// writes `", "` and `": "` between items, and numbers in its canonical form (`1e3` as
+/// `1000`, `1.50e1` as `15.0`), which can be far longer than the number as written.
+///
+/// ```
+/// use serde_json::json;
+///
+/// assert_eq!(pgbus::json_text_bytes(&json!({"a": [1, 2]})), r#"{"a": [1, 2]}"#.len());
+/// let number: serde_json::Value = serde_json::from_str("1e6").unwrap();
+/// assert_eq!(pgbus::json_text_bytes(&number), "1000000".len());
+/// ```
+pub fn json_text_bytes(value: &Value) -> usize {
+    match value {
+        Value::Null => 4,
+        Value::Bool(true) => 4,
+        Value::Bool(false) => 5,
+        Value::Number(n) => numeric_text_bytes(n.as_str()),
+        Value::String(s) => string_text_bytes(s),
+        Value::Array(items) => items
+            .iter()
+            .map(json_text_bytes)
+            .fold(2 + 2 * items.len().saturating_sub(1), usize::saturating_add),
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, v)| string_text_bytes(k).saturating_add(json_text_bytes(v).saturating_add(2)))
+            .fold(2 + 2 * map.len().saturating_sub(1), usize::saturating_add),
+    }
+}
+
+/// A string as jsonb writes it: quoted, with `"`, `\`, backspace, form feed, newline,
+/// carriage return and tab as two-character escapes and the other control characters
+/// below U+0020 as `\u00XX`.
+fn string_text_bytes(s: &str) -> usize {
+    s.bytes().fold(2usize, |n, b| {
+        n.saturating_add(match b {
+            b'"' | b'\\' | 0x08 | 0x0C | b'\n' | b'\r' | b'\t' => 2,
+            0x00..=0x1F => 6,
+            _ => 1,
+        })
+    })
+}
+
+/// A JSON number as PostgreSQL's `numeric` writes it back: the digits of its integer part
+/// (at least one), and as many decimals as the text had after the point less the exponent,
+/// with a sign unless it is zero. A number PostgreSQL cannot store is refused by the
+/// server; its length here only needs to be large.
+fn numeric_text_bytes(n: &str) -> usize {
+    let (negative, n) = match n.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, n),
+    };
+    let (mantissa, exponent) = match n.find(['e', 'E']) {
+        Some(i) => (&n[..i], n[i + 1..].parse::<i64>().unwrap_or(i64::MAX)),
+        None => (n, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let leading_zeros = int
+        .bytes()
+        .chain(frac.bytes())
+        .take_while(|b| *b == b'0')
+        .count();
+    let significant = (int.len() + frac.len() - leading_zeros) as i128;
+    let (exponent, frac_digits) = (i128::from(exponent), frac.len() as i128);
+    let decimals = (frac_digits - exponent).max(0);
+    let int_digits = if significant == 0 {
+        1
+    } else {
+        (significant + exponent - frac_digits).max(1)
+    };
+    let sign = i128::from(negative && significant > 0);
+    let point = if decimals > 0 { 1 + decimals } else { 0 };
+    usize::try_from(sign + int_digits + point).unwrap_or(usize::MAX)
 }
 
 /// Checks an identifier an operator reads (event id, correlation id, ...): no control or
@@ -642,5 +783,98 @@ mod tests {
         let e = Event::new("a", json!("x".repeat(100)));
         assert!(e.encode(50).is_err());
         assert!(e.encode(200).is_ok());
+    }
+
+    #[test]
+    fn json_is_measured_as_jsonb_writes_it() {
+        let bytes = |text: &str| json_text_bytes(&serde_json::from_str(text).unwrap());
+        assert_eq!(
+            bytes(r#"{"a":[1,2],"b":{}}"#),
+            r#"{"a": [1, 2], "b": {}}"#.len()
+        );
+        assert_eq!(
+            bytes(r#""a\"b\\c\n\u0001é""#),
+            r#""a\"b\\c\n\u0001é""#.len()
+        );
+        for (number, as_jsonb) in [
+            ("1.50e1", "15.0"),
+            ("100e-2", "1.00"),
+            ("-0.0", "0.0"),
+            ("-0", "0"),
+            ("0e5", "0"),
+            ("1e-3", "0.001"),
+            ("-12.5E+2", "-1250"),
+            ("0.00", "0.00"),
+            (
+                "123456789012345678901234567890",
+                "123456789012345678901234567890",
+            ),
+            ("1e3", "1000"),
+        ] {
+            assert_eq!(bytes(number), as_jsonb.len(), "{number}");
+        }
+        assert_eq!(bytes("1e131071"), 131_072);
+        // An exponent PostgreSQL cannot take makes a number too long for any limit.
+        assert!(bytes("1e99999999999999999999999") > MAX_EVENT_BYTES);
+        assert!(bytes("1e-99999999999999999999999") > MAX_EVENT_BYTES);
+    }
+
+    #[test]
+    fn the_payload_limit_counts_what_is_delivered() {
+        // Seven bytes as serde_json writes it, nine as delivered: "[1, 2, 3]".
+        let e = Event::new("a", json!([1, 2, 3]));
+        assert!(e.encode(8).is_err());
+        assert!(e.encode(9).is_ok());
+        let bomb: Value =
+            serde_json::from_str(&format!("[{}]", ["1e131071"; 130].join(","))).unwrap();
+        let err = Event::new("a", bomb).encode(usize::MAX).unwrap_err();
+        assert!(matches!(err, Error::Invalid { what: "event", .. }), "{err}");
+    }
+
+    #[test]
+    fn keys_are_bounded() {
+        let at = |n: usize| "k".repeat(n);
+        type Set = fn(Event, String) -> Event;
+        let cases: [(&str, Set, usize); 6] = [
+            ("aggregate type", |e, s| e.aggregate(s, "1"), MAX_NAME_BYTES),
+            ("source", |e, s| e.source(s), MAX_NAME_BYTES),
+            ("aggregate id", |e, s| e.aggregate("t", s), MAX_KEY_BYTES),
+            ("ordering key", |e, s| e.ordering_key(s), MAX_KEY_BYTES),
+            ("correlation id", |e, s| e.correlation_id(s), MAX_KEY_BYTES),
+            ("causation id", |e, s| e.causation_id(s), MAX_KEY_BYTES),
+        ];
+        for (what, set, max) in cases {
+            let ok = set(Event::new("a", json!({})), at(max));
+            assert!(ok.encode(DEFAULT_MAX_PAYLOAD_BYTES).is_ok(), "{what}");
+            let long = set(Event::new("a", json!({})), at(max + 1));
+            let err = long.encode(DEFAULT_MAX_PAYLOAD_BYTES).unwrap_err();
+            assert!(
+                matches!(err, Error::Invalid { what: w, .. } if w == what),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn lookalikes_are_invisible() {
+        for c in [
+            '\u{00AD}',
+            '\u{034F}',
+            '\u{115F}',
+            '\u{180B}',
+            '\u{2028}',
+            '\u{2029}',
+            '\u{3164}',
+            '\u{FE0F}',
+            '\u{FFA0}',
+            '\u{E0041}',
+        ] {
+            assert!(is_invisible(c), "{c:?}");
+            let e = Event::new("a", json!({})).aggregate("order", format!("order-{c}42"));
+            assert!(e.encode(DEFAULT_MAX_PAYLOAD_BYTES).is_err(), "{c:?}");
+        }
+        assert!(!is_invisible('a') && !is_invisible('\u{00A0}') && !is_invisible('注'));
+        assert!(validate_name("event name", "a\u{00A0}b").is_err());
+        assert!(validate_name("event name", "a\u{3000}b").is_err());
     }
 }

@@ -73,8 +73,8 @@ pub use context::Context;
 pub use delivery::{Delivery, Subscription};
 pub use error::{ConnectPhase, Error, HandlerError, MAX_ERROR_TEXT, PoolError, Result};
 pub use event::{
-    DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_DELAY, MAX_EVENT_BYTES, MAX_JSON_DEPTH, MAX_NAME_BYTES,
-    is_invisible, pattern_matches,
+    DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_DELAY, MAX_EVENT_BYTES, MAX_JSON_DEPTH, MAX_KEY_BYTES,
+    MAX_NAME_BYTES, is_invisible, json_text_bytes, pattern_matches,
 };
 pub use handler::{Handler, SubscriptionOptions};
 pub use ordering::DeadHeadPolicy;

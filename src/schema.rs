@@ -84,6 +84,11 @@ pub static MIGRATIONS: &[Migration] = &[
         sql: include_str!("../sql/0011_publish_path.sql"),
     },
     Migration {
+        version: 14,
+        name: "input_bounds",
+        sql: include_str!("../sql/0014_input_bounds.sql"),
+    },
+    Migration {
         version: 15,
         name: "model_fixes",
         sql: include_str!("../sql/0015_model_fixes.sql"),
