@@ -109,7 +109,7 @@ async fn objects(admin: &Client) -> Vec<String> {
             "SELECT 'schema ' || pg_catalog.pg_get_userbyid(n.nspowner)
              FROM pg_catalog.pg_namespace AS n WHERE n.nspname = 'pgbus'
              UNION ALL
-             SELECT c.relkind || ' ' || c.relname || ' ' || pg_catalog.pg_get_userbyid(c.relowner)
+             SELECT c.relkind::text || ' ' || c.relname || ' ' || pg_catalog.pg_get_userbyid(c.relowner)
              FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_namespace AS n
                ON n.oid = c.relnamespace WHERE n.nspname = 'pgbus'
              UNION ALL
@@ -231,7 +231,9 @@ async fn migrate_refuses_a_schema_a_low_role_created_first() {
 #[cfg(feature = "sqlx")]
 #[tokio::test]
 async fn sqlx_migrate_refuses_a_schema_a_low_role_created_first() {
-    use sqlx::ConnectOptions as _;
+    use sqlx::Connection as _;
+    use sqlx::postgres::{PgConnectOptions, PgConnection, PgSslMode};
+    use tokio_postgres::config::Host;
 
     let db = common::test_db().await;
     let admin = db.connect().await;
@@ -261,8 +263,25 @@ async fn sqlx_migrate_refuses_a_schema_a_low_role_created_first() {
     .await
     .unwrap();
     let before = objects(&admin).await;
-    let options: sqlx::postgres::PgConnectOptions = db.url().parse().unwrap();
-    let mut conn = options.connect().await.unwrap();
+    let config = db.config();
+    let mut options = PgConnectOptions::new_without_pgpass().ssl_mode(PgSslMode::Disable);
+    match config.get_hosts().first() {
+        Some(Host::Tcp(host)) => options = options.host(host),
+        Some(Host::Unix(dir)) => options = options.socket(dir),
+        None => {}
+    }
+    if let Some(port) = config.get_ports().first() {
+        options = options.port(*port);
+    }
+    if let Some(user) = config.get_user() {
+        options = options.username(user);
+    }
+    if let Some(password) = config.get_password() {
+        options = options.password(std::str::from_utf8(password).unwrap());
+    }
+    let mut conn = PgConnection::connect_with(&options.database(db.name()))
+        .await
+        .unwrap();
     let err = pgbus::sqlx::migrate(&mut conn).await.unwrap_err();
     let Error::UnsafeSchema { problems, .. } = &err else {
         panic!("expected UnsafeSchema, got {err:?}");
@@ -679,8 +698,8 @@ async fn nothing_planted_in_public_or_a_user_schema_ever_runs() {
              GRANT CREATE ON SCHEMA public TO PUBLIC;
              SELECT pgbus.grant_publisher('{publisher}');
              SELECT pgbus.grant_consumer('{consumer}');
-             INSERT INTO pgbus.subscriptions (name, patterns, max_attempts, ordered)
-             VALUES ('plain', '{{hn.*}}', 2, false), ('keyed', '{{hn.*}}', 1, true);",
+             INSERT INTO pgbus.subscriptions (name, patterns, max_attempts, ordered, on_dead)
+             VALUES ('plain', '{{hn.*}}', 2, false, 'block'), ('keyed', '{{hn.*}}', 1, true, 'skip');",
             db = db.name()
         ))
         .await
