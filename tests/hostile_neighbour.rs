@@ -200,14 +200,20 @@ async fn migrate_refuses_a_schema_a_low_role_created_first() {
         "CREATE on schema pgbus is granted to PUBLIC".to_owned(),
         "TRIGGER on pgbus.schema_migrations is granted to PUBLIC".to_owned(),
     ] {
-        assert!(problems.contains(&expected), "{expected:?} not in {problems:?}");
+        assert!(
+            problems.contains(&expected),
+            "{expected:?} not in {problems:?}"
+        );
     }
     let message = err.to_string();
     assert!(message.contains("DROP SCHEMA pgbus CASCADE"), "{message}");
     assert!(message.contains(&format!("OWNER TO {me}")), "{message}");
     assert!(message.contains(low.as_str()), "{message}");
 
-    assert!(!is_superuser(&admin, low).await, "the low role became a superuser");
+    assert!(
+        !is_superuser(&admin, low).await,
+        "the low role became a superuser"
+    );
     assert_eq!(objects(&admin).await, before, "migrate wrote something");
     let rows: i64 = admin
         .query_one("SELECT count(*) FROM pgbus.schema_migrations", &[])
@@ -244,10 +250,7 @@ async fn sqlx_migrate_refuses_a_schema_a_low_role_created_first() {
     let roles = Roles::create(db.config(), &["low"]).await;
     let low = &roles.names[0];
     admin
-        .batch_execute(&format!(
-            "GRANT CREATE ON DATABASE {} TO {low}",
-            db.name()
-        ))
+        .batch_execute(&format!("GRANT CREATE ON DATABASE {} TO {low}", db.name()))
         .await
         .unwrap();
     let lc = connect(&as_role(&db.config(), low)).await;
@@ -363,9 +366,16 @@ async fn migrate_refuses_objects_planted_in_the_owners_schema() {
         let Error::UnsafeSchema { problems, .. } = &err else {
             panic!("{grant}: expected UnsafeSchema, got {err:?}");
         };
-        assert!(problems.contains(&expected), "{expected:?} not in {problems:?}");
+        assert!(
+            problems.contains(&expected),
+            "{expected:?} not in {problems:?}"
+        );
         assert!(!is_superuser(&admin, &low).await, "{grant}: escalated");
-        assert_eq!(objects(&admin).await, before, "{grant}: migrate wrote something");
+        assert_eq!(
+            objects(&admin).await,
+            before,
+            "{grant}: migrate wrote something"
+        );
         let version: Option<i32> = pgbus::schema::schema_version(&admin).await.unwrap();
         assert_eq!(version, Some(11), "{grant}");
         // Undo it for the next variant.
@@ -481,7 +491,10 @@ async fn every_function_pins_its_search_path_or_is_immune() {
             None => unpinned.push(signature),
         }
     }
-    assert!(unpinned.is_empty(), "functions without a pinned search_path: {unpinned:?}");
+    assert!(
+        unpinned.is_empty(),
+        "functions without a pinned search_path: {unpinned:?}"
+    );
 }
 
 /// The SQL pgbus runs: its functions' bodies and the library's statements. Planted
@@ -729,17 +742,29 @@ async fn nothing_planted_in_public_or_a_user_schema_ever_runs() {
     let names = pgbus_sql(&admin).await;
     let words: String = names
         .chars()
-        .map(|c| if c.is_alphanumeric() || c == '_' || c.is_whitespace() { c } else { ' ' })
+        .map(|c| {
+            if c.is_alphanumeric() || c == '_' || c.is_whitespace() {
+                c
+            } else {
+                ' '
+            }
+        })
         .collect();
     let operators: Vec<&str> = names
-        .split(|c: char| c.is_alphanumeric() || c == '_' || c.is_whitespace() || "()[],;'\"$.:{}".contains(c))
+        .split(|c: char| {
+            c.is_alphanumeric() || c == '_' || c.is_whitespace() || "()[],;'\"$.:{}".contains(c)
+        })
         .filter(|t| !t.is_empty())
         .collect();
     let corpus = format!(" {} {} {names} ", operators.join(" "), words).replace("$names$", "");
     let planted = plant_sql(low, &schemas).replace("NAMES", &corpus);
-    common::within("planting", Duration::from_secs(600), lc.batch_execute(&planted))
-        .await
-        .unwrap();
+    common::within(
+        "planting",
+        Duration::from_secs(600),
+        lc.batch_execute(&planted),
+    )
+    .await
+    .unwrap();
     let check = db.connect().await;
     check
         .batch_execute("SET search_path = pg_catalog")
@@ -788,7 +813,10 @@ async fn nothing_planted_in_public_or_a_user_schema_ever_runs() {
         // A duplicate, and a conflict.
         pgbus::publish(client, &event(1)).await.unwrap();
         let conflict = pgbus::publish(client, &event(1).header("x", "y")).await;
-        assert!(matches!(conflict, Err(Error::Conflict { .. })), "{conflict:?}");
+        assert!(
+            matches!(conflict, Err(Error::Conflict { .. })),
+            "{conflict:?}"
+        );
         pgbus::publish_batch(
             client,
             &[
@@ -899,7 +927,10 @@ async fn nothing_planted_in_public_or_a_user_schema_ever_runs() {
         .await
         .unwrap();
     let (n_hits, ran) = hits(&check, low).await;
-    assert_eq!(n_hits, 0, "planted code ran in an operator function: {ran:?}");
+    assert_eq!(
+        n_hits, 0,
+        "planted code ran in an operator function: {ran:?}"
+    );
     common::within("the bus to stop", WAIT, running.shutdown())
         .await
         .unwrap();
@@ -922,9 +953,13 @@ async fn nothing_planted_in_public_or_a_user_schema_ever_runs() {
     let control = Event::new("hn.control", json!({})).delay(Duration::from_millis(5));
     pgbus::publish(&su, &control).await.unwrap();
     let (n_hits, ran) = hits(&check, low).await;
-    assert!(n_hits > 0, "the negative control ran no plant: the test cannot tell");
     assert!(
-        ran.iter().any(|r| r.contains("(int8, interval)") && r.contains(&me)),
+        n_hits > 0,
+        "the negative control ran no plant: the test cannot tell"
+    );
+    assert!(
+        ran.iter()
+            .any(|r| r.contains("(int8, interval)") && r.contains(&me)),
         "{ran:?}"
     );
     drop((lc, pc, su, probe));
