@@ -935,6 +935,40 @@ async fn nothing_planted_in_public_or_a_user_schema_ever_runs() {
         .await
         .unwrap();
 
+    // A bus of the consumer role, whose own "$user" schema holds the plants.
+    let mut bus = Bus::builder(as_role(&db.config(), consumer))
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let mut plain = bus.subscribe("plain", ["hn.*"]).unwrap();
+    let running = bus.start().await.unwrap();
+    for i in 0..4 {
+        let event = Event::new("hn.consumer", json!({"i": i}))
+            .ordering_key("c")
+            .delay(Duration::from_millis(1));
+        pgbus::publish(&pc, &event).await.unwrap();
+    }
+    let mut settled = 0;
+    while settled < 4 {
+        let delivery = common::within("a delivery to the consumer role", WAIT, plain.next())
+            .await
+            .unwrap();
+        if delivery.attempt() == 1 && settled % 2 == 0 {
+            delivery
+                .fail(pgbus::HandlerError::new("once more"))
+                .await
+                .unwrap();
+            continue;
+        }
+        delivery.ack().await.unwrap();
+        settled += 1;
+    }
+    common::within("the consumer's bus to stop", WAIT, running.shutdown())
+        .await
+        .unwrap();
+    let (n_hits, ran) = hits(&check, low).await;
+    assert_eq!(n_hits, 0, "planted code ran as the consumer role: {ran:?}");
+
     // Migrate from scratch, as the superuser with its default path.
     su.batch_execute("DROP SCHEMA pgbus CASCADE").await.unwrap();
     pgbus::migrate(&su).await.unwrap();
