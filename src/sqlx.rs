@@ -171,7 +171,7 @@ async fn send<'c, E: PgExecutor<'c>>(
 /// `conn` is anything sqlx can take a connection from: a `&PgPool` (one connection is
 /// held for the whole run) or a `&mut PgConnection`. The same migrations, each in its
 /// own transaction under the same lock, after the same refusal of a schema holding
-/// another role's objects ([`Error::UnsafeSchema`](crate::Error::UnsafeSchema)), recorded with the same checksums, so
+/// another role's objects ([`Error::UnsafeSchema`]), recorded with the same checksums, so
 /// either function finds the other's work done; safe to run concurrently from several
 /// connections and processes.
 ///
@@ -188,7 +188,7 @@ async fn send<'c, E: PgExecutor<'c>>(
 /// [`Error::UnsupportedServer`] for a server older than
 /// [`MIN_SERVER_VERSION`](crate::schema::MIN_SERVER_VERSION) and [`Error::Invalid`] for
 /// a database whose encoding is `SQL_ASCII` (nothing is written in either case),
-/// [`Error::UnsafeSchema`](crate::Error::UnsafeSchema) for a schema holding objects of
+/// [`Error::UnsafeSchema`] for a schema holding objects of
 /// another role (nothing is written), [`Error::Sqlx`] when a statement fails (the failing migration is rolled back), and
 /// [`Error::MigrationDrift`] when a migration recorded as applied has different content
 /// from the one this binary carries.
