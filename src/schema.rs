@@ -173,6 +173,7 @@ owned(what, owner) AS (
                           WHEN 'i' THEN 'index' WHEN 'I' THEN 'index' ELSE 'relation' END
            || ' pgbus.' || quote_ident(c.relname), c.relowner
     FROM pg_catalog.pg_class AS c JOIN ns ON c.relnamespace = ns.oid
+    WHERE c.relkind NOT IN ('i', 'I') -- an index is its table's
   UNION ALL
     SELECT CASE p.prokind WHEN 'p' THEN 'procedure' WHEN 'a' THEN 'aggregate' ELSE 'function' END
            || ' pgbus.' || quote_ident(p.proname) || '(' || pg_get_function_identity_arguments(p.oid) || ')',
@@ -181,6 +182,9 @@ owned(what, owner) AS (
   UNION ALL
     SELECT 'type pgbus.' || quote_ident(t.typname), t.typowner
     FROM pg_catalog.pg_type AS t JOIN ns ON t.typnamespace = ns.oid
+    -- not a relation's row type, nor an array type made with its element type
+    WHERE t.typrelid = 0
+      AND NOT EXISTS (SELECT FROM pg_catalog.pg_type AS e WHERE e.typarray = t.oid)
   UNION ALL
     SELECT 'operator pgbus.' || o.oprname || '(' || coalesce(format_type(o.oprleft, NULL), 'NONE')
            || ', ' || coalesce(format_type(o.oprright, NULL), 'NONE') || ')', o.oprowner
