@@ -29,12 +29,17 @@ pub(crate) struct Session {
 
 impl Session {
     /// The settings as `SET` commands: `scope` is `""` for the session, `"LOCAL "` for
-    /// the transaction.
+    /// the transaction. The search_path is pgbus's pinned one
+    /// ([`PINNED_SEARCH_PATH`](crate::schema::PINNED_SEARCH_PATH)): the bus's own
+    /// statements never find an operator or function another role planted in a schema
+    /// on the connecting role's path (`public`, `"$user"`).
     fn set(&self, scope: &str) -> String {
         format!(
-            "SET {scope}statement_timeout = {}; SET {scope}synchronous_commit = {}",
+            "SET {scope}statement_timeout = {}; SET {scope}synchronous_commit = {}; \
+             SET {scope}search_path = {}",
             self.statement_timeout.as_millis(),
             if self.synchronous_commit { "on" } else { "off" },
+            crate::schema::PINNED_SEARCH_PATH,
         )
     }
 }

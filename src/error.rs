@@ -47,6 +47,25 @@ pub enum Error {
         /// The migration's version.
         version: i32,
     },
+    /// [`migrate`](crate::migrate) refused the `pgbus` schema, before writing anything:
+    /// the schema or objects in it were made by a role that is neither the migrating
+    /// role, nor one it is granted, nor a superuser (or another role may create objects
+    /// in it, or triggers on its tables). Their code would run with the migrating role's
+    /// rights, so pgbus never adopts them. Each entry of `problems` names one, e.g.
+    /// `table pgbus.schema_migrations is owned by mallory`.
+    #[error(
+        "refusing to migrate: the pgbus schema holds what role {role} did not create: {}; \
+         drop the schema (DROP SCHEMA pgbus CASCADE) or make {role} the owner of each object \
+         (ALTER ... OWNER TO {role}; drop foreign triggers, revoke foreign grants), then run \
+         migrate again",
+        .problems.join("; ")
+    )]
+    UnsafeSchema {
+        /// The role `migrate` ran as.
+        role: String,
+        /// What was refused, one object or grant each.
+        problems: Vec<String>,
+    },
     /// The server is a PostgreSQL older than pgbus supports; [`migrate`](crate::migrate)
     /// refused it before changing anything. Both versions are `server_version_num`
     /// values, e.g. `120022` for 12.22; the minimum is a major version's first release.

@@ -1,15 +1,17 @@
 //! The embedded migrations and [`migrate`].
 //!
 //! Migrations are the numbered files in `sql/`, compiled into the binary. Each is applied
-//! in its own transaction under a transaction-scoped advisory lock and recorded, with a
-//! checksum, in `pgbus.schema_migrations`; running `migrate` twice, or from two processes
-//! at once, applies each migration exactly once.
+//! in its own transaction, under a lock on `pgbus.schema_migrations` that only the
+//! schema's owner can take, and recorded there with a checksum; running `migrate` twice,
+//! or from two processes at once, applies each migration exactly once. `migrate` refuses
+//! a schema that holds objects of another role ([`Error::UnsafeSchema`]).
 //!
 //! The steps are `run`'s, over a `Session`: [`migrate`] runs them on a tokio-postgres
 //! client, `pgbus::sqlx::migrate` (the `sqlx` feature) on a sqlx connection.
 
 use std::future::Future;
 
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
 use crate::error::{Error, Result};
@@ -84,6 +86,11 @@ pub static MIGRATIONS: &[Migration] = &[
         sql: include_str!("../sql/0011_publish_path.sql"),
     },
     Migration {
+        version: 12,
+        name: "pinned_paths",
+        sql: include_str!("../sql/0012_pinned_paths.sql"),
+    },
+    Migration {
         version: 14,
         name: "input_bounds",
         sql: include_str!("../sql/0014_input_bounds.sql"),
@@ -123,28 +130,152 @@ pub fn check_server_version(server_version_num: i32) -> Result<()> {
     Ok(())
 }
 
-/// The advisory lock key that serializes migrations (`hashtext('pgbus.migrate')`-like,
-/// fixed so that every version of pgbus uses the same one).
-pub(crate) const MIGRATE_LOCK_KEY: i64 = 0x7067_6275_735f_6d67; // "pgbus_mg"
-
 /// What `migrate` asks of the server before it writes anything: `version`, its
-/// `server_version_num`, and `encoding`, the database's. Sent outside a transaction.
-pub(crate) const SERVER: &str = "SELECT current_setting('server_version_num')::int AS version, \
-     (SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()) \
-     AS encoding";
+/// `server_version_num`, and `encoding`, the database's. Sent outside a transaction, so
+/// every name in it is qualified.
+pub(crate) const SERVER: &str = "SELECT pg_catalog.current_setting('server_version_num')::int4 \
+     AS version, (SELECT pg_catalog.pg_encoding_to_char(d.encoding) FROM pg_catalog.pg_database AS d \
+     WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) AS encoding";
 
-/// Takes the migration lock for the transaction. `$1 int8`: [`MIGRATE_LOCK_KEY`].
-pub(crate) const LOCK: &str = "SELECT pg_advisory_xact_lock($1)";
+/// The search_path every function of pgbus runs with (or is immune to; see migration
+/// 12), and that `migrate`'s and the bus's own transactions run with: nothing a caller
+/// or another role put on its path is ever found, pg_temp last.
+pub(crate) const PINNED_SEARCH_PATH: &str = "pg_catalog, pgbus, pg_temp";
 
-/// Makes sure that the table that records migrations exists (simple query protocol).
+/// The first statement of each of `migrate`'s transactions: the pinned search_path
+/// ([`PINNED_SEARCH_PATH`]), for this transaction only (so that it works behind a
+/// transaction-mode pooler). The migrations' statements, and the expressions they store
+/// (constraints, defaults, trigger conditions, bound to their operators when created),
+/// find only pg_catalog's and pgbus's objects.
+pub(crate) const PIN: &str = "SET LOCAL search_path = pg_catalog, pgbus, pg_temp";
+
+/// What in the `pgbus` schema the migrating role did not create and must not run or
+/// adopt, one row (`problem text`) each: the schema and every object in it (relations,
+/// functions, types, operators, ...) owned by a role that is neither the migrating role,
+/// nor a role it is granted (transitively), nor a superuser; a trigger on a pgbus table
+/// whose function is owned by such a role or lives outside the schema; CREATE on the
+/// schema, or TRIGGER on one of its tables, granted to such a role or to PUBLIC. No row
+/// when the schema does not exist. Run with [`PIN`]'s search_path.
+///
+/// A superuser's `pg_has_role` answers true for every role, so membership is read from
+/// `pg_auth_members` itself: a superuser migrating trusts only its own objects, its
+/// roles' and other superusers'.
+pub(crate) const UNSAFE_OBJECTS: &str = r#"
+WITH RECURSIVE member_of(oid) AS (
+    SELECT r.oid FROM pg_catalog.pg_roles AS r WHERE r.rolname = current_user
+  UNION
+    SELECT m.roleid FROM pg_catalog.pg_auth_members AS m JOIN member_of ON m.member = member_of.oid
+),
+trusted(oid) AS (
+    SELECT oid FROM member_of
+  UNION
+    SELECT r.oid FROM pg_catalog.pg_roles AS r WHERE r.rolsuper
+),
+ns AS (
+    SELECT n.oid, n.nspowner, n.nspacl FROM pg_catalog.pg_namespace AS n WHERE n.nspname = 'pgbus'
+),
+owned(what, owner) AS (
+    SELECT 'schema pgbus', ns.nspowner FROM ns
+  UNION ALL
+    SELECT CASE c.relkind WHEN 'r' THEN 'table' WHEN 'p' THEN 'table' WHEN 'S' THEN 'sequence'
+                          WHEN 'v' THEN 'view' WHEN 'm' THEN 'materialized view'
+                          WHEN 'f' THEN 'foreign table' WHEN 'c' THEN 'composite type'
+                          WHEN 'i' THEN 'index' WHEN 'I' THEN 'index' ELSE 'relation' END
+           || ' pgbus.' || quote_ident(c.relname), c.relowner
+    FROM pg_catalog.pg_class AS c JOIN ns ON c.relnamespace = ns.oid
+    WHERE c.relkind NOT IN ('i', 'I') -- an index is its table's
+  UNION ALL
+    SELECT CASE p.prokind WHEN 'p' THEN 'procedure' WHEN 'a' THEN 'aggregate' ELSE 'function' END
+           || ' pgbus.' || quote_ident(p.proname) || '(' || pg_get_function_identity_arguments(p.oid) || ')',
+           p.proowner
+    FROM pg_catalog.pg_proc AS p JOIN ns ON p.pronamespace = ns.oid
+  UNION ALL
+    SELECT 'type pgbus.' || quote_ident(t.typname), t.typowner
+    FROM pg_catalog.pg_type AS t JOIN ns ON t.typnamespace = ns.oid
+    -- not a relation's row type, nor an array type made with its element type
+    WHERE t.typrelid = 0
+      AND NOT EXISTS (SELECT FROM pg_catalog.pg_type AS e WHERE e.typarray = t.oid)
+  UNION ALL
+    SELECT 'operator pgbus.' || o.oprname || '(' || coalesce(format_type(o.oprleft, NULL), 'NONE')
+           || ', ' || coalesce(format_type(o.oprright, NULL), 'NONE') || ')', o.oprowner
+    FROM pg_catalog.pg_operator AS o JOIN ns ON o.oprnamespace = ns.oid
+  UNION ALL
+    SELECT 'collation pgbus.' || quote_ident(x.collname), x.collowner
+    FROM pg_catalog.pg_collation AS x JOIN ns ON x.collnamespace = ns.oid
+  UNION ALL
+    SELECT 'conversion pgbus.' || quote_ident(x.conname), x.conowner
+    FROM pg_catalog.pg_conversion AS x JOIN ns ON x.connamespace = ns.oid
+  UNION ALL
+    SELECT 'operator class pgbus.' || quote_ident(x.opcname), x.opcowner
+    FROM pg_catalog.pg_opclass AS x JOIN ns ON x.opcnamespace = ns.oid
+  UNION ALL
+    SELECT 'operator family pgbus.' || quote_ident(x.opfname), x.opfowner
+    FROM pg_catalog.pg_opfamily AS x JOIN ns ON x.opfnamespace = ns.oid
+  UNION ALL
+    SELECT 'text search configuration pgbus.' || quote_ident(x.cfgname), x.cfgowner
+    FROM pg_catalog.pg_ts_config AS x JOIN ns ON x.cfgnamespace = ns.oid
+  UNION ALL
+    SELECT 'text search dictionary pgbus.' || quote_ident(x.dictname), x.dictowner
+    FROM pg_catalog.pg_ts_dict AS x JOIN ns ON x.dictnamespace = ns.oid
+  UNION ALL
+    SELECT 'statistics object pgbus.' || quote_ident(x.stxname), x.stxowner
+    FROM pg_catalog.pg_statistic_ext AS x JOIN ns ON x.stxnamespace = ns.oid
+),
+grantee(oid, name) AS (
+    SELECT a.grantee, a.privilege_type || ' on schema pgbus'
+    FROM ns, aclexplode(ns.nspacl) AS a WHERE a.privilege_type = 'CREATE'
+  UNION ALL
+    SELECT a.grantee, a.privilege_type || ' on pgbus.' || quote_ident(c.relname)
+    FROM pg_catalog.pg_class AS c JOIN ns ON c.relnamespace = ns.oid, aclexplode(c.relacl) AS a
+    WHERE a.privilege_type = 'TRIGGER'
+)
+SELECT o.what || ' is owned by ' || quote_ident(pg_get_userbyid(o.owner)) AS problem
+FROM owned AS o WHERE o.owner NOT IN (SELECT oid FROM trusted)
+UNION ALL
+SELECT 'trigger ' || quote_ident(tg.tgname) || ' on pgbus.' || quote_ident(c.relname) || ' runs '
+       || quote_ident(fn.nspname) || '.' || quote_ident(p.proname) || '(), owned by '
+       || quote_ident(pg_get_userbyid(p.proowner))
+FROM pg_catalog.pg_trigger AS tg
+JOIN pg_catalog.pg_class AS c ON c.oid = tg.tgrelid
+JOIN ns ON c.relnamespace = ns.oid
+JOIN pg_catalog.pg_proc AS p ON p.oid = tg.tgfoid
+JOIN pg_catalog.pg_namespace AS fn ON fn.oid = p.pronamespace
+WHERE NOT tg.tgisinternal
+  AND (p.proowner NOT IN (SELECT oid FROM trusted) OR p.pronamespace <> ns.oid)
+UNION ALL
+SELECT g.name || ' is granted to '
+       || CASE WHEN g.oid = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(g.oid)) END
+FROM grantee AS g WHERE g.oid NOT IN (SELECT oid FROM trusted)
+ORDER BY 1"#;
+
+/// Creates the schema and the table that records migrations where they do not exist,
+/// and never touches them where they do (their owners were checked first, with
+/// [`UNSAFE_OBJECTS`]). Two first migrations at once: one creates each, the other fails
+/// with `duplicate_schema` or `unique_violation` and starts again (see [`run`]). Run with
+/// [`PIN`]'s search_path.
 pub(crate) const BOOTSTRAP: &str = "\
-CREATE SCHEMA IF NOT EXISTS pgbus;
-CREATE TABLE IF NOT EXISTS pgbus.schema_migrations (
-    version    integer     PRIMARY KEY,
-    name       text        NOT NULL,
-    checksum   text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-);";
+DO $bootstrap$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = 'pgbus') THEN
+        CREATE SCHEMA pgbus;
+    END IF;
+    IF pg_catalog.to_regclass('pgbus.schema_migrations') IS NULL THEN
+        CREATE TABLE pgbus.schema_migrations (
+            version    integer     PRIMARY KEY,
+            name       text        NOT NULL,
+            checksum   text        NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT now()
+        );
+    END IF;
+END
+$bootstrap$";
+
+/// Serializes migrations: a lock on the table that records them, which only its owner
+/// (and roles granted UPDATE, DELETE or TRUNCATE on it, which pgbus grants nobody) can
+/// take, held to the end of the transaction. A role that can merely connect cannot hold
+/// it, as it could hold an advisory lock on a fixed key. Readers of the table
+/// (`schema_version`) are not blocked.
+pub(crate) const LOCK: &str = "LOCK TABLE pgbus.schema_migrations IN SHARE ROW EXCLUSIVE MODE";
 
 /// Whether a migration is recorded, and with the same content: no row, or `same`.
 /// `$1 int4` version, `$2 text` its SQL.
@@ -154,6 +285,9 @@ pub(crate) const RECORDED: &str = "SELECT checksum = md5($2::text) AS same \
 /// Records an applied migration. `$1 int4` version, `$2 text` name, `$3 text` its SQL.
 pub(crate) const RECORD: &str = "INSERT INTO pgbus.schema_migrations (version, name, checksum) \
      VALUES ($1, $2, md5($3::text))";
+
+/// Asks for the role `migrate` runs as, to name it in [`Error::UnsafeSchema`].
+pub(crate) const CURRENT_ROLE: &str = "SELECT current_user::text AS role";
 
 /// A connection that `migrate` runs on: the tokio-postgres and the sqlx paths differ only
 /// here, in how each statement is sent. Every statement sent outside the migrations'
@@ -173,11 +307,14 @@ pub(crate) trait Session: Send {
 
 /// A transaction of a [`Session`], in which one migration is applied.
 pub(crate) trait SessionTx: Send {
-    /// Runs [`LOCK`] with [`MIGRATE_LOCK_KEY`].
-    fn lock(&mut self) -> impl Future<Output = Result<()>> + Send;
-
     /// Runs statements without parameters with the simple query protocol.
     fn batch(&mut self, sql: &'static str) -> impl Future<Output = Result<()>> + Send;
+
+    /// Runs [`UNSAFE_OBJECTS`]: what in the schema the migrating role must not adopt.
+    fn unsafe_objects(&mut self) -> impl Future<Output = Result<Vec<String>>> + Send;
+
+    /// Runs [`CURRENT_ROLE`].
+    fn current_role(&mut self) -> impl Future<Output = Result<String>> + Send;
 
     /// Runs [`RECORDED`] for `migration`: `None` when it is not recorded.
     fn recorded(
@@ -195,11 +332,26 @@ pub(crate) trait SessionTx: Send {
     fn rollback(self) -> impl Future<Output = Result<()>> + Send;
 }
 
+/// How many times the bootstrap starts again after losing a race to create the schema
+/// or its table to another `migrate` (each loss means the other one created it).
+const BOOTSTRAP_ATTEMPTS: usize = 5;
+
 /// Applies the migrations this database lacks and returns those it applied (empty when
 /// the schema was already current).
 ///
 /// Safe to run concurrently from several processes: each migration runs in its own
-/// transaction under an advisory lock, and a migration already recorded is skipped.
+/// transaction under a lock on `pgbus.schema_migrations` that only the schema's owner
+/// can take, and a migration already recorded is skipped.
+///
+/// `migrate` never adopts what another role made. Before it writes anything, and again
+/// in each migration's transaction once it holds the lock, it checks the `pgbus` schema:
+/// the schema and every object in it must be owned by the migrating role, a role it is
+/// granted, or a superuser; no trigger on its tables may run a function of another
+/// owner; no other role may have CREATE on it. Otherwise it refuses with
+/// [`Error::UnsafeSchema`], which names each object: code in an object planted there
+/// would run with the migrating role's rights. The schema and its bookkeeping table are
+/// created only where they do not exist. Every migration runs with the search_path
+/// `pg_catalog, pgbus, pg_temp`.
 ///
 /// Behind a transaction-mode pooler (PgBouncer), each statement outside the migrations'
 /// transactions is an unnamed one: nothing relies on a server connection beyond a
@@ -209,7 +361,8 @@ pub(crate) trait SessionTx: Send {
 ///
 /// [`Error::UnsupportedServer`] for a server older than [`MIN_SERVER_VERSION`] and
 /// [`Error::Invalid`] for a database whose encoding is `SQL_ASCII` (nothing is written in
-/// either case),
+/// either case), [`Error::UnsafeSchema`] for a schema holding objects of another role
+/// (nothing is written),
 /// [`Error::Database`] when a statement fails (the failing migration is rolled back), and
 /// [`Error::MigrationDrift`] when a migration recorded as applied has different content
 /// from the one this binary carries.
@@ -233,6 +386,7 @@ pub(crate) async fn run<S: Session>(session: &mut S) -> Result<Vec<Migration>> {
                 .into(),
         });
     }
+    bootstrap(session).await?;
     let mut applied = Vec::new();
     for migration in MIGRATIONS {
         let mut tx = session.begin().await?;
@@ -258,9 +412,58 @@ pub(crate) async fn run<S: Session>(session: &mut S) -> Result<Vec<Migration>> {
     Ok(applied)
 }
 
+/// Checks the schema, creates what is missing of it and its bookkeeping table, takes the
+/// lock and checks again, in one transaction; starts again when another `migrate`
+/// created the schema or the table first.
+async fn bootstrap<S: Session>(session: &mut S) -> Result<()> {
+    let mut attempt = 1;
+    loop {
+        let mut tx = session.begin().await?;
+        let result = async {
+            tx.batch(PIN).await?;
+            refuse_foreign_objects(&mut tx).await?;
+            tx.batch(BOOTSTRAP).await?;
+            tx.batch(LOCK).await?;
+            refuse_foreign_objects(&mut tx).await
+        }
+        .await;
+        match result {
+            Ok(()) => return tx.commit().await,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                let lost_race = e.code().is_some_and(|c| {
+                    [
+                        SqlState::DUPLICATE_SCHEMA,
+                        SqlState::DUPLICATE_TABLE,
+                        SqlState::UNIQUE_VIOLATION,
+                    ]
+                    .contains(c)
+                });
+                if !lost_race || attempt >= BOOTSTRAP_ATTEMPTS {
+                    return Err(e);
+                }
+                attempt += 1;
+            }
+        }
+    }
+}
+
+/// [`Error::UnsafeSchema`] when the schema holds anything [`UNSAFE_OBJECTS`] reports.
+async fn refuse_foreign_objects<T: SessionTx>(tx: &mut T) -> Result<()> {
+    let problems = tx.unsafe_objects().await?;
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(Error::UnsafeSchema {
+        role: tx.current_role().await?,
+        problems,
+    })
+}
+
 async fn apply_one<T: SessionTx>(tx: &mut T, migration: &Migration) -> Result<bool> {
-    tx.lock().await?;
-    tx.batch(BOOTSTRAP).await?;
+    tx.batch(PIN).await?;
+    tx.batch(LOCK).await?;
+    refuse_foreign_objects(tx).await?;
     match tx.recorded(migration).await? {
         Some(true) => Ok(false),
         Some(false) => Err(Error::MigrationDrift {
@@ -299,15 +502,21 @@ impl Session for TokioSession<'_> {
 struct TokioTx<'c>(&'c tokio_postgres::Client);
 
 impl SessionTx for TokioTx<'_> {
-    async fn lock(&mut self) -> Result<()> {
-        self.0
-            .execute_typed(LOCK, &[(&MIGRATE_LOCK_KEY, Type::INT8)])
-            .await?;
-        Ok(())
-    }
-
     async fn batch(&mut self, sql: &'static str) -> Result<()> {
         Ok(self.0.batch_execute(sql).await?)
+    }
+
+    async fn unsafe_objects(&mut self) -> Result<Vec<String>> {
+        let rows = self.0.query_typed(UNSAFE_OBJECTS, &[]).await?;
+        Ok(rows
+            .iter()
+            .map(|row| row.try_get("problem"))
+            .collect::<std::result::Result<_, _>>()?)
+    }
+
+    async fn current_role(&mut self) -> Result<String> {
+        let row = self.0.query_typed_one(CURRENT_ROLE, &[]).await?;
+        Ok(row.try_get("role")?)
     }
 
     async fn recorded(&mut self, migration: &Migration) -> Result<Option<bool>> {
@@ -356,7 +565,7 @@ impl SessionTx for TokioTx<'_> {
 pub async fn schema_version(client: &tokio_postgres::Client) -> Result<Option<i32>> {
     let exists: bool = client
         .query_typed_one(
-            "SELECT to_regclass('pgbus.schema_migrations') IS NOT NULL AS migrated",
+            "SELECT pg_catalog.to_regclass('pgbus.schema_migrations') IS NOT NULL AS migrated",
             &[],
         )
         .await?
@@ -366,7 +575,7 @@ pub async fn schema_version(client: &tokio_postgres::Client) -> Result<Option<i3
     }
     let row = client
         .query_typed_one(
-            "SELECT max(version) AS version FROM pgbus.schema_migrations",
+            "SELECT pg_catalog.max(version) AS version FROM pgbus.schema_migrations",
             &[],
         )
         .await?;

@@ -54,7 +54,7 @@ use crate::error::Result;
 use crate::event::Event;
 use crate::publish::{Published, Publisher, batch_published, batch_span, publish_span, published};
 use crate::schema::{
-    LOCK, MIGRATE_LOCK_KEY, Migration, RECORD, RECORDED, SERVER, Session, SessionTx,
+    CURRENT_ROLE, Migration, RECORD, RECORDED, SERVER, Session, SessionTx, UNSAFE_OBJECTS,
 };
 use crate::sql::{PUBLISH_BATCH, PUBLISH_EVENT};
 
@@ -170,7 +170,8 @@ async fn send<'c, E: PgExecutor<'c>>(
 ///
 /// `conn` is anything sqlx can take a connection from: a `&PgPool` (one connection is
 /// held for the whole run) or a `&mut PgConnection`. The same migrations, each in its
-/// own transaction under the same advisory lock, recorded with the same checksums, so
+/// own transaction under the same lock, after the same refusal of a schema holding
+/// another role's objects ([`Error::UnsafeSchema`]), recorded with the same checksums, so
 /// either function finds the other's work done; safe to run concurrently from several
 /// connections and processes.
 ///
@@ -187,7 +188,8 @@ async fn send<'c, E: PgExecutor<'c>>(
 /// [`Error::UnsupportedServer`] for a server older than
 /// [`MIN_SERVER_VERSION`](crate::schema::MIN_SERVER_VERSION) and [`Error::Invalid`] for
 /// a database whose encoding is `SQL_ASCII` (nothing is written in either case),
-/// [`Error::Sqlx`] when a statement fails (the failing migration is rolled back), and
+/// [`Error::UnsafeSchema`] for a schema holding objects of
+/// another role (nothing is written), [`Error::Sqlx`] when a statement fails (the failing migration is rolled back), and
 /// [`Error::MigrationDrift`] when a migration recorded as applied has different content
 /// from the one this binary carries.
 pub async fn migrate<'a, A: Acquire<'a, Database = Postgres>>(conn: A) -> Result<Vec<Migration>> {
@@ -216,17 +218,22 @@ impl Session for SqlxSession<'_> {
 }
 
 impl SessionTx for Transaction<'_, Postgres> {
-    async fn lock(&mut self) -> Result<()> {
-        statement(LOCK)
-            .bind(MIGRATE_LOCK_KEY)
-            .execute(&mut **self)
-            .await?;
-        Ok(())
-    }
-
     async fn batch(&mut self, sql: &'static str) -> Result<()> {
         ::sqlx::raw_sql(sql).execute(&mut **self).await?;
         Ok(())
+    }
+
+    async fn unsafe_objects(&mut self) -> Result<Vec<String>> {
+        let rows = statement(UNSAFE_OBJECTS).fetch_all(&mut **self).await?;
+        Ok(rows
+            .iter()
+            .map(|row| row.try_get("problem"))
+            .collect::<std::result::Result<_, _>>()?)
+    }
+
+    async fn current_role(&mut self) -> Result<String> {
+        let row = statement(CURRENT_ROLE).fetch_one(&mut **self).await?;
+        Ok(row.try_get("role")?)
     }
 
     async fn recorded(&mut self, migration: &Migration) -> Result<Option<bool>> {
