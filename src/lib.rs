@@ -71,7 +71,7 @@ pub use bus::{
 pub use connect::{ConnectConfig, SslMode};
 pub use context::Context;
 pub use delivery::{Delivery, Subscription};
-pub use error::{Error, HandlerError, MAX_ERROR_TEXT, PoolError, Result};
+pub use error::{Error, HandlerError, LockHolder, MAX_ERROR_TEXT, PoolError, Result};
 pub use event::{
     DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_DELAY, MAX_EVENT_BYTES, MAX_JSON_DEPTH, MAX_NAME_BYTES,
     is_invisible, pattern_matches,

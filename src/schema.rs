@@ -83,6 +83,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "publish_path",
         sql: include_str!("../sql/0011_publish_path.sql"),
     },
+    Migration {
+        version: 13,
+        name: "owned_locks",
+        sql: include_str!("../sql/0013_owned_locks.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]
