@@ -1175,10 +1175,7 @@ pub async fn sweep_batch<C: Executor + ?Sized>(
     let row = one_row(
         client.client(),
         sql::SWEEP,
-        &[
-            (&retention_ms, Type::INT8),
-            (&batch, Type::INT4),
-        ],
+        &[(&retention_ms, Type::INT8), (&batch, Type::INT4)],
     )
     .await?;
     Ok(Swept {

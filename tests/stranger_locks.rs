@@ -175,7 +175,12 @@ async fn hold_everything(
             .iter()
             .map(|m| format!("LOCK TABLE {rel} IN {m} MODE"))
             .collect();
-        for lock in ["FOR UPDATE", "FOR NO KEY UPDATE", "FOR SHARE", "FOR KEY SHARE"] {
+        for lock in [
+            "FOR UPDATE",
+            "FOR NO KEY UPDATE",
+            "FOR SHARE",
+            "FOR KEY SHARE",
+        ] {
             tries.push(format!("SELECT 1 FROM {rel} LIMIT 1 {lock}"));
         }
         tries.push(format!("PREPARE p_{} AS SELECT 1 FROM {rel}", got.len()));
@@ -292,7 +297,9 @@ async fn a_role_that_can_only_connect_cannot_stop_the_bus() {
         pgbus::publish_batch(&tx, &events)
             .await
             .expect("a batch under the stranger's locks");
-        tx.commit().await.expect("a commit under the stranger's locks");
+        tx.commit()
+            .await
+            .expect("a commit under the stranger's locks");
     })
     .await;
 
@@ -332,7 +339,11 @@ async fn a_role_that_can_only_connect_cannot_stop_the_bus() {
             .map(|(_, i)| i.clone())
             .collect()
     };
-    assert_eq!(k1, vec![ids[1].clone(), ids[3].clone()], "key k1 out of order");
+    assert_eq!(
+        k1,
+        vec![ids[1].clone(), ids[3].clone()],
+        "key k1 out of order"
+    );
 
     // A settings change, both ways, and the sweep.
     for ordered in [true, false] {
@@ -368,13 +379,9 @@ async fn a_role_that_can_only_connect_cannot_stop_the_bus() {
     let late: Vec<Event> = (0..3)
         .map(|n| Event::new("t.late", json!({"n": n})).ordering_key(KEYS[n]))
         .collect();
-    common::within(
-        "a late publish",
-        WAIT,
-        pgbus::publish_batch(&admin, &late),
-    )
-    .await
-    .expect("a late publish under the stranger's locks");
+    common::within("a late publish", WAIT, pgbus::publish_batch(&admin, &late))
+        .await
+        .expect("a late publish under the stranger's locks");
     let late_ids: Vec<String> = late.iter().map(|e| e.id.clone()).collect();
     handled_all(&handled, &late_ids).await;
     common::wait_for("every delivery settled", WAIT, || async {
@@ -480,15 +487,17 @@ async fn a_settings_change_waiting_for_an_open_transaction_stalls_nobody() {
     let mut through = BTreeMap::new();
     while !change.is_finished() {
         let e = Event::new("t.meanwhile", json!({"n": through.len()}));
-        common::within("a publish while the change waits", WAIT, pgbus::publish(&admin, &e))
-            .await
-            .expect("a publish while a settings change waits");
+        common::within(
+            "a publish while the change waits",
+            WAIT,
+            pgbus::publish(&admin, &e),
+        )
+        .await
+        .expect("a publish while a settings change waits");
         handled_all(&handled, std::slice::from_ref(&e.id)).await;
         through.insert(e.id.clone(), ());
     }
-    let (result, waited, operator) = common::within("the change", WAIT, change)
-        .await
-        .unwrap();
+    let (result, waited, operator) = common::within("the change", WAIT, change).await.unwrap();
     assert!(
         through.len() >= 2,
         "only {} publishes went through",

@@ -69,16 +69,27 @@ async fn set_gives_up_after_its_wait_naming_the_open_session() {
     ordered_ship(&client).await;
     let mut open = db.connect().await;
     let tx = open.transaction().await.unwrap();
-    pgbus::publish(&tx, &pgbus::Event::new("order.placed", serde_json::json!({})))
-        .await
-        .unwrap();
+    pgbus::publish(
+        &tx,
+        &pgbus::Event::new("order.placed", serde_json::json!({})),
+    )
+    .await
+    .unwrap();
     let pid: i32 = tx
         .query_one("SELECT pg_backend_pid()", &[])
         .await
         .unwrap()
         .get(0);
     let before = stored(&client).await.max_attempts;
-    let set = ["subscriptions", "set", "ship", "--max-attempts", "4", "--wait", "1s"];
+    let set = [
+        "subscriptions",
+        "set",
+        "ship",
+        "--max-attempts",
+        "4",
+        "--wait",
+        "1s",
+    ];
     let out = run(pgbus_on(&db), &set).await;
     assert_eq!(out.code, 1, "{out:?}");
     assert!(out.stderr.contains("gave up waiting"), "{out:?}");
