@@ -108,7 +108,7 @@ async fn connect(config: &Config) -> Client {
 /// `config` with a 2 s statement_timeout and an application_name.
 fn bounded(config: &Config, application_name: &str) -> Config {
     let mut config = config.clone();
-    config.options(&format!(
+    config.options(format!(
         "-c statement_timeout={}",
         STATEMENT_TIMEOUT.as_millis()
     ));
@@ -551,6 +551,6 @@ async fn a_settings_change_waiting_for_an_open_transaction_stalls_nobody() {
             .unwrap()
             .ordered
     );
-    handled_all(&handled, &[first.id.clone()]).await;
+    handled_all(&handled, std::slice::from_ref(&first.id)).await;
     running.shutdown().await.unwrap();
 }
