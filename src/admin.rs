@@ -47,8 +47,22 @@ pub const DEFAULT_SWEEP_BATCH: i32 = 1000;
 /// renews it every 10 seconds): its last heartbeat is its expiry less this.
 pub(crate) const CONSUMER_TTL: Duration = Duration::from_secs(30);
 
-/// The advisory lock that keeps sweeps from running in two processes at once.
-const SWEEP_LOCK_KEY: i64 = 0x7067_6275_735f_7377; // "pgbus_sw"
+/// How long [`configure_subscription`] waits for the configuration lock: 30 s.
+pub const DEFAULT_CONFIGURE_WAIT: Duration = Duration::from_secs(30);
+
+/// How long one try for the configuration lock may hold up the publishes and settlements
+/// that queue behind it.
+const CONFIGURE_TRY: Duration = Duration::from_millis(200);
+
+/// The pause after the first failed try for the configuration lock; it doubles up to
+/// [`CONFIGURE_PAUSE_MAX`].
+const CONFIGURE_PAUSE: Duration = Duration::from_millis(50);
+
+/// The longest pause between two tries for the configuration lock.
+const CONFIGURE_PAUSE_MAX: Duration = Duration::from_secs(1);
+
+/// How often a waiting settings change repeats its warning.
+const CONFIGURE_WARN_EVERY: Duration = Duration::from_secs(5);
 
 /// A statement's parameter with its type, as `query_typed` takes it.
 type Param<'a> = (&'a (dyn ToSql + Sync), Type);
@@ -331,7 +345,8 @@ pub async fn subscription_settings<C: Executor + ?Sized>(
 }
 
 /// Changes a subscription's settings, an operator action that is safe while publishers,
-/// consumers and reapers run: it waits for every publish and settlement that read the old
+/// consumers and reapers run: it waits (at most [`DEFAULT_CONFIGURE_WAIT`]; see
+/// [`configure_subscription_within`]) for every publish and settlement that read the old
 /// settings, and converts the backlog in the same transaction. Turning ordering on gives
 /// each key one head, its oldest waiting delivery (deliveries already processing finish,
 /// or are retried, unordered; dead letters stay aside until retried); turning it off makes every
@@ -342,33 +357,104 @@ pub async fn subscription_settings<C: Executor + ?Sized>(
 /// # Errors
 ///
 /// [`Error::Invalid`] for a bad name, pattern or maximum (nothing is changed);
-/// [`Error::Database`] when the statement fails, e.g. inside a transaction that is not
-/// READ COMMITTED.
+/// [`Error::LockWait`] when other transactions held the configuration lock for the whole
+/// wait (nothing is changed); [`Error::Database`] when the statement fails, e.g. inside a
+/// transaction that is not READ COMMITTED.
 pub async fn configure_subscription<C: Executor + ?Sized>(
     client: &C,
     name: &str,
     change: &SubscriptionChange,
 ) -> Result<Option<u64>> {
+    configure_subscription_within(client, name, change, DEFAULT_CONFIGURE_WAIT).await
+}
+
+/// [`configure_subscription`], waiting at most `wait` for the configuration lock.
+///
+/// The change needs the lock exclusively, so it waits for every transaction that read
+/// the old settings, a publisher's until its commit. A request for it that simply waited
+/// would queue every later publish and settlement behind it for as long as the oldest of
+/// those transactions stays open; so the change tries the lock for at most 200 ms at a
+/// time and pauses between tries (50 ms, doubling up to 1 s), and publishes and
+/// settlements get through in between. While it waits it warns (`tracing`, every 5 s)
+/// naming the sessions it waits on; after `wait` it gives up with [`Error::LockWait`]
+/// naming them. It always tries at least once. Given a transaction, a failed try leaves
+/// nothing behind in it.
+///
+/// # Errors
+///
+/// As [`configure_subscription`].
+pub async fn configure_subscription_within<C: Executor + ?Sized>(
+    client: &C,
+    name: &str,
+    change: &SubscriptionChange,
+    wait: Duration,
+) -> Result<Option<u64>> {
     change.validate(name)?;
     let on_dead = change.on_dead.map(DeadHeadPolicy::as_sql);
-    let params: [Param<'_>; 5] = [
-        (&name, Type::TEXT),
-        (&change.patterns, Type::TEXT_ARRAY),
-        (&change.max_attempts, Type::INT4),
-        (&change.ordered, Type::BOOL),
-        (&on_dead, Type::TEXT),
-    ];
-    let rows = client
-        .client()
-        .query_typed(sql::CONFIGURE_SUBSCRIPTION, &params)
-        .await?;
-    let Some(row) = rows.first() else {
-        return Ok(None);
-    };
-    if !row.try_get::<_, bool>("found")? {
-        return Ok(None);
+    let started = tokio::time::Instant::now();
+    let deadline = started + wait;
+    let mut pause = CONFIGURE_PAUSE;
+    let mut warned: Option<tokio::time::Instant> = None;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let try_ms = left.min(CONFIGURE_TRY).as_millis().max(1) as i32;
+        let params: [Param<'_>; 6] = [
+            (&name, Type::TEXT),
+            (&change.patterns, Type::TEXT_ARRAY),
+            (&change.max_attempts, Type::INT4),
+            (&change.ordered, Type::BOOL),
+            (&on_dead, Type::TEXT),
+            (&try_ms, Type::INT4),
+        ];
+        let row = one_row(client.client(), sql::TRY_CONFIGURE_SUBSCRIPTION, &params).await?;
+        if row.try_get::<_, bool>("got")? {
+            if !row.try_get::<_, Option<bool>>("found")?.unwrap_or(false) {
+                return Ok(None);
+            }
+            return Ok(Some(row.try_get::<_, i64>("converted")? as u64));
+        }
+        let sessions = lock_holders(row.try_get::<_, Option<serde_json::Value>>("waiting_on")?);
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return Err(Error::LockWait {
+                what: "the configuration lock",
+                waited: now - started,
+                sessions,
+            });
+        }
+        if warned.is_none_or(|at| now - at >= CONFIGURE_WARN_EVERY) {
+            warned = Some(now);
+            let list: Vec<String> = sessions.iter().map(ToString::to_string).collect();
+            tracing::warn!(
+                messaging.destination.subscription.name = name,
+                waited_ms = (now - started).as_millis() as i64,
+                sessions = %list.join("; "),
+                "pgbus is waiting for open transactions to end before it changes a subscription's settings"
+            );
+        }
+        tokio::time::sleep(pause.min(deadline - now)).await;
+        pause = (pause * 2).min(CONFIGURE_PAUSE_MAX);
     }
-    Ok(Some(row.try_get::<_, i64>("converted")? as u64))
+}
+
+/// The sessions `pgbus.try_lock_config` names (a JSON array).
+fn lock_holders(value: Option<serde_json::Value>) -> Vec<crate::LockHolder> {
+    let Some(serde_json::Value::Array(items)) = value else {
+        return Vec::new();
+    };
+    items
+        .iter()
+        .map(|h| crate::LockHolder {
+            pid: h["pid"].as_i64().and_then(|p| i32::try_from(p).ok()),
+            role: h["role"].as_str().map(str::to_owned),
+            application_name: h["application_name"].as_str().map(str::to_owned),
+            transaction_age: h["xact_age_ms"]
+                .as_i64()
+                .and_then(|ms| u64::try_from(ms).ok())
+                .map(Duration::from_millis),
+            waiting: h["waiting"].as_bool().unwrap_or(false),
+        })
+        .collect()
 }
 
 /// What a starting bus does with a subscription: creates it with what it asks for (and
@@ -1068,8 +1154,9 @@ fn retention_millis(retention: Duration) -> Result<i64> {
 /// One batch of the retention sweep: deletes at most `batch` events created more than
 /// `retention` ago that no delivery refers to, oldest first, with their failure history.
 ///
-/// At most one sweep batch runs at a time across every process (a transaction-scoped
-/// advisory lock); when another holds it, this one deletes nothing and reports `busy`.
+/// At most one sweep batch runs at a time across every process (the sweep's row in
+/// `pgbus.duties`, locked until the batch commits); when another holds it, this one
+/// deletes nothing and reports `busy`.
 /// The bus runs this periodically (see [`BusBuilder::retention`](crate::BusBuilder::retention)).
 ///
 /// # Errors
@@ -1088,11 +1175,7 @@ pub async fn sweep_batch<C: Executor + ?Sized>(
     let row = one_row(
         client.client(),
         sql::SWEEP,
-        &[
-            (&retention_ms, Type::INT8),
-            (&batch, Type::INT4),
-            (&SWEEP_LOCK_KEY, Type::INT8),
-        ],
+        &[(&retention_ms, Type::INT8), (&batch, Type::INT4)],
     )
     .await?;
     Ok(Swept {

@@ -125,6 +125,20 @@ pub enum Error {
     /// A wait inside pgbus ran past its deadline.
     #[error("timed out while {0}")]
     Timeout(&'static str),
+    /// A lock pgbus needs stayed held by other sessions for as long as the caller allowed
+    /// (e.g. [`admin::configure_subscription_within`](crate::admin::configure_subscription_within)
+    /// waiting for the configuration lock); nothing was changed. `sessions` names the
+    /// sessions that held or awaited it when pgbus gave up, the longest-running
+    /// transaction first.
+    #[error("gave up waiting for {what} after {}: {}", human(*.waited), describe_holders(.sessions))]
+    LockWait {
+        /// The lock, in words, e.g. `the configuration lock`.
+        what: &'static str,
+        /// How long pgbus waited.
+        waited: Duration,
+        /// The sessions holding or awaiting it.
+        sessions: Vec<LockHolder>,
+    },
     /// The lease on a delivery was lost (it expired and the delivery was claimed again,
     /// or an operator changed it), so the settlement changed nothing.
     #[error("the lease on this delivery was lost; the settlement changed nothing")]
@@ -167,6 +181,74 @@ pub enum Error {
         /// How many of its deliveries are processing.
         processing: i64,
     },
+}
+
+/// A session that holds, or waits for, a lock pgbus waited for (see [`Error::LockWait`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockHolder {
+    /// The server process id (`pg_stat_activity.pid`; end it with
+    /// `pg_terminate_backend(pid)`), or `None` for a prepared transaction.
+    pub pid: Option<i32>,
+    /// The role the session runs as.
+    pub role: Option<String>,
+    /// The session's `application_name`.
+    pub application_name: Option<String>,
+    /// How long its transaction has run, where the asking role may see it (its own
+    /// sessions, or with `pg_read_all_stats`).
+    pub transaction_age: Option<Duration>,
+    /// Whether it is itself waiting for the lock (rather than holding it).
+    pub waiting: bool,
+}
+
+impl fmt::Display for LockHolder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.pid {
+            Some(pid) => write!(f, "pid {pid}")?,
+            None => f.write_str("a prepared transaction")?,
+        }
+        let mut about = Vec::new();
+        if let Some(role) = &self.role {
+            about.push(format!("role {role:?}"));
+        }
+        if let Some(app) = self.application_name.as_deref().filter(|a| !a.is_empty()) {
+            about.push(format!("application_name {app:?}"));
+        }
+        if let Some(age) = self.transaction_age {
+            about.push(format!("in a transaction for {}", human(age)));
+        }
+        if self.waiting {
+            about.push("waiting for it too".to_owned());
+        }
+        if !about.is_empty() {
+            write!(f, " ({})", about.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+/// The sessions of an [`Error::LockWait`], in words.
+fn describe_holders(sessions: &[LockHolder]) -> String {
+    if sessions.is_empty() {
+        return "held by sessions that ended meanwhile; try again".to_owned();
+    }
+    let list: Vec<String> = sessions.iter().map(ToString::to_string).collect();
+    format!(
+        "held by {}; let its transaction end, or end the session with pg_terminate_backend(pid)",
+        list.join("; ")
+    )
+}
+
+/// A duration in words: `250ms`, `4.2s`, `3m12s`.
+fn human(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        format!("{:.1}s", d.as_secs_f64())
+    } else {
+        format!("{}m{}s", d.as_secs() / 60, d.as_secs() % 60)
+    }
 }
 
 impl Error {
@@ -254,7 +336,7 @@ impl Error {
     /// (nor drops a settlement because of them).
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Timeout(_) => true,
+            Error::Timeout(_) | Error::LockWait { .. } => true,
             Error::Settle(e) => e.is_transient(),
             // Not the same statement to try again: the delivery is no longer this
             // caller's to settle.

@@ -9,9 +9,12 @@
 //! ([`DeadHeadPolicy::Skip`]).
 //!
 //! Order is kept per key across transactions that publish to it concurrently: fan-out and
-//! completion take a transaction-scoped advisory lock per (subscription, key), in sorted
-//! order. A transaction that publishes to several keys in separate statements should
-//! touch them in a consistent order (or publish them in one batch), as with any locks.
+//! completion lock each (subscription, key) until their transaction ends, in sorted
+//! order: a row lock on the key's stripe of `pgbus.key_stripes`, which no role outside
+//! pgbus can take. A transaction that publishes to several keys in separate statements
+//! should touch them in a consistent order (or publish them in one batch), as with any
+//! locks; two different keys may share a stripe, so a deadlock between such
+//! transactions, which PostgreSQL detects and fails (40P01), stays possible.
 
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::{ToSql, Type};

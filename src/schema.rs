@@ -91,6 +91,11 @@ pub static MIGRATIONS: &[Migration] = &[
         sql: include_str!("../sql/0012_pinned_paths.sql"),
     },
     Migration {
+        version: 13,
+        name: "owned_locks",
+        sql: include_str!("../sql/0013_owned_locks.sql"),
+    },
+    Migration {
         version: 14,
         name: "input_bounds",
         sql: include_str!("../sql/0014_input_bounds.sql"),

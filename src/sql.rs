@@ -259,9 +259,11 @@ FROM (SELECT count(*) FROM beat) AS b";
 /// Marks this bus asleep: from now on publishers notify it. Parameter: `$1 text` worker id.
 ///
 /// `pgbus.mark_asleep` first takes the wake lock exclusively, which every publishing
-/// transaction holds shared from its awake check to the end of its commit: the mark waits
-/// for the publishers that saw this bus awake (and sent no notification) to commit, so
-/// the claim that follows the mark finds their events however slow their commit was.
+/// transaction that got it holds shared from its awake check to the end of its commit (a
+/// publisher that cannot have it notifies): the mark waits for the publishers that saw
+/// this bus awake (and sent no notification) to commit, so the claim that follows the
+/// mark finds their events. It waits at most 200 ms and otherwise fails
+/// (`lock_not_available`): the bus stays awake and polls on a short backoff.
 pub const CONSUMER_SLEEP: &str = "SELECT pgbus.mark_asleep($1)";
 
 /// Removes this bus from `pgbus.consumers` at shutdown. Parameter: `$1 text` worker id.
@@ -500,11 +502,13 @@ SELECT (SELECT known FROM known) AS known, (SELECT n FROM busy) AS processing,
 /// milliseconds (never less than `pgbus.settings.min_retention`) that no delivery refers
 /// to, at most `$2 int4` of them, oldest first, with their failure history.
 ///
-/// Runs only when it gets the transaction-scoped advisory lock `$3 int8`, so at most one
-/// sweep runs at a time across all processes; the events are taken `FOR UPDATE SKIP
-/// LOCKED`. Returns one row: `got` (whether it got the lock), `events` (events deleted),
-/// `failures` (history rows deleted).
-pub const SWEEP: &str = "SELECT got, events, failures FROM pgbus.sweep($1, $2, $3)";
+/// Runs only when it gets the sweep's row of `pgbus.duties` (`FOR UPDATE SKIP LOCKED`,
+/// until the batch commits), so at most one sweep runs at a time across all processes;
+/// the events are taken `FOR UPDATE SKIP LOCKED`. The function's third parameter, the
+/// advisory lock key of migrations before 13, is ignored. Returns one row: `got`
+/// (whether it got the duty), `events` (events deleted), `failures` (history rows
+/// deleted).
+pub const SWEEP: &str = "SELECT got, events, failures FROM pgbus.sweep($1, $2, 0)";
 
 /// A subscription's stored settings. Parameter: `$1 text` name. Columns: `patterns`,
 /// `max_attempts`, `ordered`, `on_dead`; no row when it does not exist.
@@ -531,6 +535,18 @@ RETURNING 1 AS created";
 /// row: `found` (whether the subscription exists), `converted` (deliveries converted).
 pub const CONFIGURE_SUBSCRIPTION: &str = "\
 SELECT found, converted FROM pgbus.configure_subscription($1, $2, $3, $4, $5)";
+
+/// One try at a change of a subscription's settings
+/// (`pgbus.try_configure_subscription`): the parameters of [`CONFIGURE_SUBSCRIPTION`],
+/// then `$6 int4` how many milliseconds to wait for the configuration lock (it is a
+/// table lock on `pgbus.config_gate`, taken exclusively). Returns one row: `got` (whether
+/// it had the lock; when false nothing was done or is held), `found` and `converted` as
+/// [`CONFIGURE_SUBSCRIPTION`]'s, and `waiting_on` (jsonb, when not `got`): the sessions
+/// that held or awaited the lock, each with `pid`, `role`, `application_name`,
+/// `xact_age_ms` and `waiting`.
+pub const TRY_CONFIGURE_SUBSCRIPTION: &str = "\
+SELECT got, found, converted, waiting_on
+FROM pgbus.try_configure_subscription($1, $2, $3, $4, $5, $6)";
 
 /// Keys of ordered subscriptions whose head is a dead letter, with how many deliveries
 /// wait behind each. Parameter: `$1 text` a subscription, or NULL for all. Columns:
@@ -795,6 +811,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("SUBSCRIPTION_SETTINGS", SUBSCRIPTION_SETTINGS),
     ("SUBSCRIPTION_CREATE", SUBSCRIPTION_CREATE),
     ("CONFIGURE_SUBSCRIPTION", CONFIGURE_SUBSCRIPTION),
+    ("TRY_CONFIGURE_SUBSCRIPTION", TRY_CONFIGURE_SUBSCRIPTION),
     ("BLOCKED_KEYS", BLOCKED_KEYS),
     ("REDRIVE_HEAD", REDRIVE_HEAD),
     ("SKIP_HEAD", SKIP_HEAD),

@@ -59,3 +59,43 @@ async fn the_command_line_joins_refuses_and_sets() {
         1
     );
 }
+
+/// `subscriptions set` waits for a transaction left open at most `--wait`, then fails
+/// (exit 1) naming its session and changing nothing; once it ends, the same command works.
+#[tokio::test]
+async fn set_gives_up_after_its_wait_naming_the_open_session() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    ordered_ship(&client).await;
+    let mut open = db.connect().await;
+    let tx = open.transaction().await.unwrap();
+    pgbus::publish(
+        &tx,
+        &pgbus::Event::new("order.placed", serde_json::json!({})),
+    )
+    .await
+    .unwrap();
+    let pid: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let before = stored(&client).await.max_attempts;
+    let set = [
+        "subscriptions",
+        "set",
+        "ship",
+        "--max-attempts",
+        "4",
+        "--wait",
+        "1s",
+    ];
+    let out = run(pgbus_on(&db), &set).await;
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stderr.contains("gave up waiting"), "{out:?}");
+    assert!(out.stderr.contains(&format!("pid {pid} ")), "{out:?}");
+    assert_eq!(stored(&client).await.max_attempts, before);
+    tx.commit().await.unwrap();
+    run(pgbus_on(&db), &set).await.ok();
+    assert_eq!(stored(&client).await.max_attempts, 4);
+}

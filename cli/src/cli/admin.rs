@@ -391,7 +391,13 @@ read the old settings, and converts the backlog in the same transaction. --order
 each key one head, its oldest waiting delivery (deliveries already processing finish,
 or are retried, unordered; dead letters stay aside until retried). --unordered makes every waiting
 delivery claimable at once. New patterns apply to events published from then on.
-Consumers started without these options follow the stored settings.")]
+Consumers started without these options follow the stored settings.
+
+The change needs the configuration lock to itself, so it waits for transactions that
+published or settled under the old settings. It tries for 200 ms at a time, letting
+other publishes and settlements through in between, warns naming the sessions it waits
+on (pid, role, application_name, transaction age), and gives up after --wait, changing
+nothing.")]
     Set {
         /// The subscription.
         name: String,
@@ -410,6 +416,10 @@ Consumers started without these options follow the stored settings.")]
         /// What a key's dead head does in an ordered subscription.
         #[arg(long, value_enum)]
         on_dead: Option<super::consume::OnDead>,
+        /// How long to wait for open transactions that read the old settings (e.g. 30s,
+        /// 2m); then give up, changing nothing.
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        wait: std::time::Duration,
         /// Print a JSON object.
         #[arg(long)]
         json: bool,
@@ -470,6 +480,7 @@ pub(crate) async fn subscriptions(
             ordered,
             unordered,
             on_dead,
+            wait,
             json,
         } => {
             let mut change = admin::SubscriptionChange::new();
@@ -491,7 +502,8 @@ pub(crate) async fn subscriptions(
                      --unordered or --on-dead",
                 ));
             }
-            let Some(converted) = admin::configure_subscription(&client, &name, &change).await?
+            let Some(converted) =
+                admin::configure_subscription_within(&client, &name, &change, wait).await?
             else {
                 return Err(failed(format!("error: no subscription {name:?}")));
             };
