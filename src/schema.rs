@@ -105,6 +105,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "model_fixes",
         sql: include_str!("../sql/0015_model_fixes.sql"),
     },
+    Migration {
+        version: 16,
+        name: "size_limit_fast_path",
+        sql: include_str!("../sql/0016_size_limit_fast_path.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

@@ -535,3 +535,63 @@ async fn a_long_key_written_before_the_upgrade_is_ordered_by_its_digest() {
         .get(0);
     assert_eq!(heads, 1);
 }
+
+/// The size limit accepts a pair of uncompressed documents of at most 512 stored bytes
+/// without measuring their text (migration 16). That holds only while no document of
+/// that size prints beyond the limit: the densest ones (numbers with the largest
+/// exponents, escaped control characters, nested numbers) print far below it.
+#[tokio::test]
+async fn what_the_size_limit_admits_unmeasured_prints_below_the_limit() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    for element in [
+        "1e131071",
+        "-1e131071",
+        "1e-16383",
+        "\"\\u0001\"",
+        "[1e131071]",
+        "{\"a\":1e131071}",
+    ] {
+        let row = client
+            .query_one(
+                "SELECT count(*)::int4 AS documents, max(pg_column_size(d))::int4 AS stored,
+                        max(octet_length(d::text))::int4 AS text_bytes
+                 FROM (SELECT ('[' || array_to_string(array_fill($1::text, ARRAY[n]), ',')
+                               || ']')::jsonb AS d
+                       FROM generate_series(1, 200) AS n) AS docs
+                 WHERE pg_column_size(d) + pg_column_size('{}'::jsonb) <= 512",
+                &[&element],
+            )
+            .await
+            .unwrap();
+        let (documents, stored, text): (i32, i32, i32) = (
+            row.get("documents"),
+            row.get("stored"),
+            row.get("text_bytes"),
+        );
+        // The series reaches past 512 stored bytes, so the largest admitted one is here.
+        assert!(
+            documents > 0 && documents < 200,
+            "{element}: {documents} documents"
+        );
+        assert!(stored <= 512, "{element}: {stored}");
+        assert!(
+            i64::from(text) <= MAX_EVENT_BYTES as i64 / 2,
+            "{element}: {documents} elements in {stored} stored bytes print as {text} bytes"
+        );
+        // And the schema takes the largest of them.
+        let payload = format!(
+            "[{}]",
+            std::iter::repeat_n(element, documents as usize)
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        client
+            .execute(
+                "SELECT pgbus.publish('dense.document', $1::text::jsonb)",
+                &[&payload],
+            )
+            .await
+            .unwrap();
+    }
+}
