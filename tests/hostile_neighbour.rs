@@ -12,6 +12,10 @@
 //!   own transactions run with the pinned path.
 
 mod common;
+#[path = "shared/roles.rs"]
+mod roles;
+
+use roles::Roles;
 
 use std::time::Duration;
 
@@ -22,59 +26,6 @@ use serde_json::json;
 use tokio_postgres::{Client, Config, NoTls};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// Login roles of the test's own (roles are the cluster's, so their names are unique),
-/// dropped at the end.
-struct Roles {
-    names: Vec<String>,
-    admin: Config,
-}
-
-impl Roles {
-    async fn create(admin: Config, kinds: &[&str]) -> Roles {
-        let suffix = format!("{:016x}", fastrand::u64(..));
-        let names: Vec<String> = kinds
-            .iter()
-            .map(|k| format!("pgbus_{k}_{suffix}"))
-            .collect();
-        let client = connect(&admin).await;
-        for name in &names {
-            client
-                .batch_execute(&format!("CREATE ROLE {name} LOGIN"))
-                .await
-                .unwrap();
-        }
-        Roles { names, admin }
-    }
-}
-
-impl Drop for Roles {
-    fn drop(&mut self) {
-        let (names, admin) = (self.names.clone(), self.admin.clone());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let Ok((client, connection)) = admin.connect(NoTls).await else {
-                    return;
-                };
-                tokio::spawn(connection);
-                for name in names {
-                    let _ = client
-                        .batch_execute(&format!(
-                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                             WHERE usename = '{name}';
-                             DROP OWNED BY {name} CASCADE; DROP ROLE {name}"
-                        ))
-                        .await;
-                }
-            });
-        })
-        .join();
-    }
-}
 
 async fn connect(config: &Config) -> Client {
     let (client, connection) = config.connect(NoTls).await.unwrap();

@@ -3,6 +3,10 @@
 //! privileges `pgbus.grant_publisher` and `pgbus.grant_consumer` give them.
 
 mod common;
+#[path = "shared/roles.rs"]
+mod roles;
+
+use roles::Roles;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -136,58 +140,6 @@ async fn quotes_semicolons_and_dollar_quotes_are_data() {
         count(&client, "SELECT count(*) FROM pgbus.deliveries").await,
         0
     );
-}
-
-/// Roles of this test's own (roles are cluster-wide), dropped at the end, with their
-/// privileges, even when the test fails.
-struct Roles {
-    names: Vec<String>,
-    admin: Config,
-}
-
-impl Roles {
-    async fn create(admin: Config, kinds: &[&str]) -> Roles {
-        let suffix = format!("{:016x}", fastrand::u64(..));
-        let names: Vec<String> = kinds
-            .iter()
-            .map(|k| format!("pgbus_{k}_{suffix}"))
-            .collect();
-        let client = connect(&admin).await.unwrap();
-        for name in &names {
-            client
-                .batch_execute(&format!("CREATE ROLE {name} LOGIN"))
-                .await
-                .unwrap();
-        }
-        Roles { names, admin }
-    }
-}
-
-impl Drop for Roles {
-    fn drop(&mut self) {
-        let (names, admin) = (self.names.clone(), self.admin.clone());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let Ok(client) = connect(&admin).await else {
-                    return;
-                };
-                for name in names {
-                    let _ = client
-                        .batch_execute(&format!(
-                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                             WHERE usename = '{name}';
-                             DROP OWNED BY {name}; DROP ROLE {name}"
-                        ))
-                        .await;
-                }
-            });
-        })
-        .join();
-    }
 }
 
 async fn connect(config: &Config) -> Result<Client, tokio_postgres::Error> {
