@@ -223,6 +223,11 @@ impl Watch {
 pub(crate) struct Watched<S> {
     io: S,
     watch: Watch,
+    /// A cancel request's stream: before it is shut down, it waits for the server to
+    /// close it, as libpq does. PgBouncer takes a cancel connection closed before it
+    /// answered for a client in a bad state and exits, dropping every connection it
+    /// holds (the bus's claims through it then fail until it is restarted).
+    linger: bool,
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
@@ -241,7 +246,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -267,7 +272,17 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+        let this = self.get_mut();
+        while this.linger {
+            let mut discard = [0u8; 64];
+            let mut buf = ReadBuf::new(&mut discard);
+            match ready!(Pin::new(&mut this.io).poll_read(cx, &mut buf)) {
+                Ok(()) if !buf.filled().is_empty() => {}
+                // Closed by the server (or broken): nothing left to wait for.
+                Ok(()) | Err(_) => this.linger = false,
+            }
+        }
+        Pin::new(&mut this.io).poll_shutdown(cx)
     }
 }
 
@@ -427,6 +442,7 @@ where
                     progress,
                     expect: Expect::Messages(Frames::default()),
                 },
+                linger: false,
             })
         }
         .boxed()
@@ -752,6 +768,7 @@ impl ConnectConfig {
                 progress: progress.clone(),
                 expect,
             },
+            linger: false,
         });
         let domain = target.domain();
         let (client, mut messages) = self
@@ -805,6 +822,7 @@ impl ConnectConfig {
                         progress: Arc::default(),
                         expect: Expect::Nothing,
                     },
+                    linger: true,
                 });
                 self.connector.cancel(token, &target.domain(), stream).await
             };
