@@ -92,6 +92,7 @@ pub enum Error {
     /// for [`Error::Database`]; a missing schema says so (run `pgbus migrate`), with its
     /// SQLSTATE (42P01, 3F000, 42883 or 42703).
     #[cfg(feature = "sqlx")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
     #[error("{0}")]
     Sqlx(#[source] SqlxError),
     /// No connection could be taken from the bus's pool (none could be opened in time,
@@ -572,6 +573,7 @@ impl From<deadpool_postgres::PoolError> for Error {
 /// Why a statement sent through sqlx failed ([`Error::Sqlx`]): sqlx's own error, which is
 /// its `source()`, and the SQLSTATE that [`Error::code`] gives.
 #[cfg(feature = "sqlx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
 #[derive(Debug)]
 pub struct SqlxError {
     error: sqlx::Error,

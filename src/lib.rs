@@ -30,6 +30,9 @@
 //! # }
 //! ```
 
+// docs.rs (`--cfg docsrs`, nightly rustdoc) marks the items of a Cargo feature with it.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 // The delivery path, in the order an event takes it: publish (the trigger and the
 // notification are in sql/), listen, claim, dispatch, settle; beside it, maintain. The
 // bus starts and stops them; the others are shared leaves.
@@ -58,6 +61,7 @@ mod shutdown;
 mod slot;
 mod sql;
 #[cfg(feature = "sqlx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
 pub mod sqlx;
 mod stats;
 pub mod trace_context;

@@ -11,7 +11,8 @@
 //! [`crate::migrate`], under the same lock and checks.
 //!
 //! ```toml
-//! pgbus = { version = "0.1", features = ["sqlx"] }
+//! # A clone of pgbus by path until it is released; then: version = "0.1"
+//! pgbus = { path = "../pgbus", features = ["sqlx"] }
 //! ```
 //!
 //! ```no_run

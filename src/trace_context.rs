@@ -251,6 +251,7 @@ fn valid_key(key: &str) -> bool {
 /// # }
 /// ```
 #[cfg(feature = "opentelemetry")]
+#[cfg_attr(docsrs, doc(cfg(feature = "opentelemetry")))]
 pub fn context(event: &Event) -> Option<opentelemetry::Context> {
     use opentelemetry::trace::TraceContextExt;
     let remote = span_context(event)?;
