@@ -5,6 +5,8 @@
 mod common;
 #[path = "shared/migrations.rs"]
 mod migrations;
+#[path = "shared/roles.rs"]
+mod roles;
 
 use std::time::Duration;
 
@@ -14,6 +16,8 @@ use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_postgres::config::Host;
+
+use roles::Roles;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -513,4 +517,109 @@ async fn sqlx_migrate_reports_a_changed_migration_as_drift() {
         recorded(&client).await.first().map(|r| r.2.as_str()),
         Some("edited")
     );
+}
+
+/// `current_user` and `current_database()` as sqlx sees them through `url`.
+async fn sqlx_whoami(url: &str) -> (String, String) {
+    let mut conn = PgConnection::connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("sqlx refused {url}: {e}"));
+    let row: (String, String) =
+        sqlx::query_as("SELECT current_user::text, current_database()::text")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    conn.close().await.unwrap();
+    row
+}
+
+/// `current_user` and `current_database()` as tokio-postgres sees them through `url`.
+async fn tokio_postgres_whoami(url: &str) -> (String, String) {
+    let config: tokio_postgres::Config = url
+        .parse()
+        .unwrap_or_else(|e| panic!("tokio-postgres refused {url}: {e}"));
+    let client = common::connect(&config).await.unwrap();
+    let row = client
+        .query_one("SELECT current_user::text, current_database()::text", &[])
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+#[tokio::test]
+async fn the_test_kits_url_connects_sqlx_and_tokio_postgres_to_the_test_database() {
+    let db = common::test_db().await;
+    let url = db.url();
+    assert!(url.starts_with("postgres://"), "{url}");
+    let user = db.config().get_user().unwrap().to_owned();
+    let expected = (user, db.name().to_owned());
+    assert_eq!(sqlx_whoami(&url).await, expected, "{url}");
+    assert_eq!(tokio_postgres_whoami(&url).await, expected, "{url}");
+    // A pool on it publishes, as a service's would.
+    let pool = PgPool::connect(&url).await.unwrap();
+    let event = Event::new("kit.url", json!({}));
+    pgbus::sqlx::publish(&pool, &event).await.unwrap();
+    assert_eq!(events(&db.connect().await).await, [event.id]);
+}
+
+#[tokio::test]
+async fn the_test_kits_url_percent_encodes_what_both_drivers_decode() {
+    let db = common::test_db().await;
+    // A role whose name needs quoting and percent-encoding.
+    let roles = Roles::create(db.config(), &["o'dd user@x:y/z%?&="]).await;
+    let role = &roles.names[0];
+    let mut config = db.config();
+    // The test servers trust local connections: the password is carried, not checked.
+    config.user(role).password("p@ss:w/rd %&=+'#?");
+    let url = pgbus_testkit::url(&config);
+    let expected = (role.clone(), db.name().to_owned());
+    assert_eq!(sqlx_whoami(&url).await, expected, "{url}");
+    assert_eq!(tokio_postgres_whoami(&url).await, expected, "{url}");
+}
+
+#[test]
+fn the_test_kits_url_reads_back_the_same_settings_in_both_drivers() {
+    let socket: tokio_postgres::Config =
+        "host='/run/my sockets/pg%1' port=5433 user='me@home' dbname='a b/c?d' \
+         options='-c search_path=x' application_name='kit&test'"
+            .parse()
+            .unwrap();
+    let tcp: tokio_postgres::Config =
+        "host=db.internal port=6432 user='a:b' password='p@ss w/rd' dbname=app"
+            .parse()
+            .unwrap();
+    let ipv6: tokio_postgres::Config = "host=::1 port=5432 user=u dbname=d".parse().unwrap();
+    for config in [socket, tcp, ipv6] {
+        let url = pgbus_testkit::url(&config);
+        let back: tokio_postgres::Config = url.parse().unwrap();
+        assert_eq!(back.get_hosts(), config.get_hosts(), "{url}");
+        assert_eq!(back.get_ports(), config.get_ports(), "{url}");
+        assert_eq!(back.get_user(), config.get_user(), "{url}");
+        assert_eq!(back.get_password(), config.get_password(), "{url}");
+        assert_eq!(back.get_dbname(), config.get_dbname(), "{url}");
+        assert_eq!(back.get_options(), config.get_options(), "{url}");
+        assert_eq!(
+            back.get_application_name(),
+            config.get_application_name(),
+            "{url}"
+        );
+
+        let sqlx: PgConnectOptions = url.parse().unwrap();
+        match &config.get_hosts()[0] {
+            Host::Tcp(host) => {
+                assert_eq!(sqlx.get_host(), host, "{url}");
+                assert_eq!(sqlx.get_socket(), None, "{url}");
+            }
+            Host::Unix(dir) => assert_eq!(sqlx.get_socket(), Some(dir), "{url}"),
+        }
+        assert_eq!(sqlx.get_port(), config.get_ports()[0], "{url}");
+        assert_eq!(Some(sqlx.get_username()), config.get_user(), "{url}");
+        assert_eq!(sqlx.get_database(), config.get_dbname(), "{url}");
+        assert_eq!(sqlx.get_options(), config.get_options(), "{url}");
+        assert_eq!(
+            sqlx.get_application_name(),
+            config.get_application_name(),
+            "{url}"
+        );
+    }
 }

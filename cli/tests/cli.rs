@@ -142,6 +142,26 @@ async fn a_closed_port_and_a_missing_schema_give_clear_errors() {
 }
 
 #[tokio::test]
+async fn the_test_kits_url_works_as_database_url() {
+    let db = common::test_db().await;
+    // `postgres:///<db>?host=<socket directory>&port=...&user=...` on the throwaway
+    // cluster: the form sqlx reads, which the command line reads too.
+    let url = db.url();
+    let on_url = || {
+        let mut cmd = pgbus();
+        cmd.env("DATABASE_URL", &url);
+        cmd
+    };
+    let out = run(on_url(), &["migrate"]).await.ok();
+    assert!(out.stdout.starts_with("schema is current"), "{out:?}");
+    run(on_url(), &["publish", "kit.url", "{}"]).await.ok();
+    assert_eq!(
+        count(&db.connect().await, "SELECT count(*) FROM pgbus.events").await,
+        1
+    );
+}
+
+#[tokio::test]
 async fn published_events_are_printed_by_consume_as_json_lines_and_acked() {
     let db = common::test_db().await;
     let client = db.connect().await;

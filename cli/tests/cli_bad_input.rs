@@ -157,7 +157,7 @@ async fn a_database_without_the_schema_says_to_run_migrate() {
         .await
         .unwrap();
     let out = pgbus(
-        Some(&db.url()),
+        Some(&db.conninfo()),
         &os(&["publish", "order.placed", "{}"]),
         None,
     );
@@ -167,7 +167,7 @@ async fn a_database_without_the_schema_says_to_run_migrate() {
 #[tokio::test]
 async fn invalid_json_text_is_refused_and_writes_nothing() {
     let db = common::test_db().await;
-    let url = db.url();
+    let url = db.conninfo();
     let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
     let cases: Vec<(&str, &str)> = vec![
         (r#"{"a": "\ud800"}"#, "lone leading surrogate"),
@@ -262,8 +262,8 @@ async fn a_password_on_the_command_line_is_refused_unshown_and_nothing_is_done()
     let db = common::test_db().await;
     let client = db.connect().await;
     // The test's database accepts any password: without the refusal these would run.
-    let keyword = format!("{} password=s3cretpw", db.url());
-    let quoted = format!("{} password='s3cret pw'", db.url());
+    let keyword = format!("{} password=s3cretpw", db.conninfo());
+    let quoted = format!("{} password='s3cret pw'", db.conninfo());
     for url in [
         keyword.as_str(),
         quoted.as_str(),
@@ -294,7 +294,7 @@ async fn a_password_on_the_command_line_is_refused_unshown_and_nothing_is_done()
             assert!(!err.contains("s3cret"), "{args:?}: {err}");
         }
         let out = pgbus(
-            Some(&db.url()),
+            Some(&db.conninfo()),
             &os(&["consume", "-s", "refused", "-p", "*", "--listen-url", url]),
             None,
         );

@@ -651,7 +651,7 @@ async fn exec_environment(extra: &[&str]) -> (common::TestDb, Vec<(String, Strin
     let db = common::test_db().await;
     let dir = scratch("env");
     let mut cmd = proc::pgbus_on(&db);
-    cmd.env("PGBUS_LISTEN_URL", db.url())
+    cmd.env("PGBUS_LISTEN_URL", db.conninfo())
         .env("PGPASSWORD", "not-used-by-trust")
         .env("PGAPPNAME", "env-test")
         .current_dir(&dir)
@@ -705,8 +705,8 @@ async fn exec_commands_get_no_database_credentials() {
 async fn exec_database_env_passes_the_database_settings_on() {
     let (db, env) = exec_environment(&["--exec-database-env"]).await;
     let get = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-    assert_eq!(get("DATABASE_URL"), Some(db.url()));
+    assert_eq!(get("DATABASE_URL"), Some(db.conninfo()));
     assert_eq!(get("PGPASSWORD").as_deref(), Some("not-used-by-trust"));
-    assert_eq!(get("PGBUS_LISTEN_URL"), Some(db.url()));
+    assert_eq!(get("PGBUS_LISTEN_URL"), Some(db.conninfo()));
     assert_eq!(get("PGAPPNAME").as_deref(), Some("env-test"));
 }

@@ -100,7 +100,7 @@ async fn a_foreign_host_is_refused_on_every_route_on_every_address() {
     proc::two_dead_letters(&client).await;
     let on_loopback = Ui::start(&db, &["--allow-actions"], &[]).await;
     let everywhere = Ui::listen(
-        &db.url(),
+        &db.conninfo(),
         ip("0.0.0.0"),
         &["--allow-actions", "--insecure-no-auth"],
         &[],
@@ -271,7 +271,7 @@ async fn off_loopback_the_dashboard_needs_a_password_unless_told_otherwise() {
     }
     // With a password, or told explicitly, it serves.
     let guarded = Ui::listen(
-        &db.url(),
+        &db.conninfo(),
         ip("0.0.0.0"),
         &[],
         &[("PGBUS_UI_PASSWORD", "s3cret")],
@@ -289,7 +289,7 @@ async fn off_loopback_the_dashboard_needs_a_password_unless_told_otherwise() {
     )
     .await;
     assert_eq!(answer.status, 200, "{answer:?}");
-    let open = Ui::listen(&db.url(), ip("0.0.0.0"), &["--insecure-no-auth"], &[]).await;
+    let open = Ui::listen(&db.conninfo(), ip("0.0.0.0"), &["--insecure-no-auth"], &[]).await;
     let local = SocketAddr::from(([127, 0, 0, 1], open.addr.port()));
     let answer = http(local, "GET", "/api/overview", &[], "").await;
     assert_eq!(answer.status, 200, "{answer:?}");
@@ -298,7 +298,7 @@ async fn off_loopback_the_dashboard_needs_a_password_unless_told_otherwise() {
 #[tokio::test]
 async fn another_loopback_address_is_served_by_its_own_name() {
     let db = common::test_db().await;
-    let ui = Ui::listen(&db.url(), ip("127.0.0.2"), &[], &[]).await;
+    let ui = Ui::listen(&db.conninfo(), ip("127.0.0.2"), &[], &[]).await;
     let port = ui.addr.port();
     for host in [format!("127.0.0.2:{port}"), format!("localhost:{port}")] {
         let answer = http(ui.addr, "GET", "/", &[("Host", &host)], "").await;

@@ -315,7 +315,7 @@ async fn next_ids(consumer: &mut proc::Consumer, n: usize) -> Vec<String> {
 async fn consume_runs_through_the_pooler_and_listens_on_a_direct_connection() {
     let db = common::test_db().await;
     let pooled_url = common::pgbouncer::shared().await.url_for(db.name());
-    let direct_url = db.url();
+    let direct_url = db.conninfo();
     let mut consumer = proc::Consumer::start(
         &db,
         &[

@@ -34,7 +34,7 @@ use std::sync::OnceLock;
 use tokio_postgres::{Client, Config, NoTls};
 
 use crate::embedded::{self, EmbeddedOptions, EmbeddedPostgres};
-use crate::{connect, conninfo};
+use crate::{connect, conninfo, url};
 
 /// How long the watchdog waits, with no test process alive, before it stops the shared
 /// cluster. Cargo runs test binaries one after another; this covers the gap between two.
@@ -426,9 +426,20 @@ impl TestDb {
         self.config.clone()
     }
 
-    /// A connection string for this database (libpq `key=value` form), e.g. to give a
-    /// child process as `DATABASE_URL`.
+    /// A `postgres://` URL for this database, which sqlx, tokio-postgres and libpq all
+    /// read, e.g. `sqlx::PgPool::connect(&db.url())`, or a child process's
+    /// `DATABASE_URL`. On the throwaway cluster, its Unix socket directory is the `host`
+    /// parameter: `postgres:///pgbus_t_…?host=%2F…&port=…&user=postgres` (see
+    /// [`url`](crate::url)).
     pub fn url(&self) -> String {
+        url(&self.config)
+    }
+
+    /// The same connection in libpq's `key=value` form, e.g.
+    /// `host='/…' port=5432 user='postgres' dbname='pgbus_t_…'`, for a caller that
+    /// appends settings to it (see [`conninfo`](crate::conninfo)). sqlx does not read
+    /// this form: use [`url`](Self::url).
+    pub fn conninfo(&self) -> String {
         conninfo(&self.config)
     }
 

@@ -35,7 +35,8 @@
 //! named by `PG_BIN_DIR`).
 //!
 //! - [`test_db`], [`TestDb`], [`cluster`], [`private_cluster`]: databases and servers
-//!   for tests.
+//!   for tests; [`TestDb::url`] is a `postgres://` URL that sqlx and tokio-postgres both
+//!   read.
 //! - [`wait_for`], [`within`], [`count`], [`wait_count`], [`wait_settled`]: waiting, with a
 //!   deadline, for what happens in the background.
 //! - [`embedded`]: the throwaway PostgreSQL server itself.
@@ -52,7 +53,7 @@
 //! The servers and databases ([`embedded`], [`bench`](mod@bench), [`test_db`] and its friends) are
 //! Unix-only (Linux, macOS, the BSDs): the server listens on a Unix socket only, and runs
 //! as the `postgres` user when the tests run as root. The waiting helpers and
-//! [`connect`]/[`conninfo`] work everywhere.
+//! [`connect`], [`url`] and [`conninfo`] work everywhere.
 
 #[cfg(unix)]
 pub mod bench;
@@ -251,6 +252,7 @@ pub async fn connect(config: &Config) -> Result<Client, tokio_postgres::Error> {
 
 /// A libpq `key=value` connection string for `config` (host, port, user, password,
 /// dbname, options, application_name), e.g. to give a child process as `DATABASE_URL`.
+/// sqlx reads URLs only: [`url`] gives one.
 pub fn conninfo(config: &Config) -> String {
     fn quote(value: &str) -> String {
         format!("'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
@@ -291,6 +293,90 @@ pub fn conninfo(config: &Config) -> String {
         parts.push(format!("application_name={}", quote(name)));
     }
     parts.join(" ")
+}
+
+/// A `postgres://` URL for `config` (hosts, ports, user, password, dbname, options,
+/// application_name), which sqlx, tokio-postgres and libpq all read: e.g.
+/// `sqlx::PgPool::connect(&url(&config))`.
+///
+/// One TCP host goes in the authority, `postgres://user:password@host:5432/dbname`;
+/// a Unix socket directory, an IPv6 address (sqlx would keep an authority's brackets)
+/// or more than one host goes in the query,
+/// `postgres:///dbname?host=%2Frun%2Fpostgresql&port=5432&user=postgres`. Every name
+/// and value is percent-encoded. sqlx connects to one host only (the last `host`
+/// parameter), tokio-postgres and libpq try them in turn.
+pub fn url(config: &Config) -> String {
+    let hosts = config.get_hosts();
+    let ports = config.get_ports();
+    let mut url = String::from("postgres://");
+    let mut params: Vec<(&str, String)> = Vec::new();
+    match hosts {
+        [Host::Tcp(host)] if !host.contains(':') => {
+            if let Some(user) = config.get_user() {
+                url.push_str(&percent_encode(user.as_bytes()));
+                if let Some(password) = config.get_password() {
+                    url.push(':');
+                    url.push_str(&percent_encode(password));
+                }
+                url.push('@');
+            }
+            url.push_str(&percent_encode(host.as_bytes()));
+            if let Some(port) = ports.first() {
+                url.push_str(&format!(":{port}"));
+            }
+        }
+        _ => {
+            for host in hosts {
+                let host = match host {
+                    Host::Tcp(name) => name.clone(),
+                    #[cfg(unix)]
+                    Host::Unix(path) => path.to_string_lossy().into_owned(),
+                };
+                params.push(("host", host));
+            }
+            if !ports.is_empty() {
+                let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+                params.push(("port", ports.join(",")));
+            }
+            if let Some(user) = config.get_user() {
+                params.push(("user", user.to_owned()));
+            }
+            if let Some(password) = config.get_password() {
+                params.push(("password", String::from_utf8_lossy(password).into_owned()));
+            }
+        }
+    }
+    url.push('/');
+    if let Some(dbname) = config.get_dbname() {
+        url.push_str(&percent_encode(dbname.as_bytes()));
+    }
+    if let Some(options) = config.get_options() {
+        params.push(("options", options.to_owned()));
+    }
+    if let Some(name) = config.get_application_name() {
+        params.push(("application_name", name.to_owned()));
+    }
+    for (i, (key, value)) in params.iter().enumerate() {
+        url.push(if i == 0 { '?' } else { '&' });
+        url.push_str(key);
+        url.push('=');
+        url.push_str(&percent_encode(value.as_bytes()));
+    }
+    url
+}
+
+/// `bytes` with every byte but the unreserved characters of RFC 3986 (letters, digits,
+/// `-._~`) written as `%XX`.
+fn percent_encode(bytes: &[u8]) -> String {
+    let mut text = String::with_capacity(bytes.len());
+    for &byte in bytes {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            text.push(char::from(byte));
+        } else {
+            text.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    text
 }
 
 /// An error's message and its sources', on one line (a TLS failure's reason is in a

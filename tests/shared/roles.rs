@@ -5,7 +5,8 @@
 
 use tokio_postgres::{Config, NoTls};
 
-/// Roles named `pgbus_<kind>_<suffix>`, in the order of the kinds asked for.
+/// Roles named `pgbus_<kind>_<suffix>`, in the order of the kinds asked for (a kind may
+/// hold any character: the names are quoted).
 pub(crate) struct Roles {
     /// The roles' names.
     pub(crate) names: Vec<String>,
@@ -25,7 +26,7 @@ impl Roles {
         tokio::spawn(connection);
         for name in &names {
             client
-                .batch_execute(&format!("CREATE ROLE {name} LOGIN"))
+                .batch_execute(&format!("CREATE ROLE {} LOGIN", quote_ident(name)))
                 .await
                 .unwrap();
         }
@@ -49,15 +50,24 @@ impl Drop for Roles {
                 tokio::spawn(connection);
                 for name in names {
                     let _ = client
-                        .batch_execute(&format!(
+                        .execute(
                             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                             WHERE usename = '{name}';
-                             DROP OWNED BY {name} CASCADE; DROP ROLE {name}"
-                        ))
+                             WHERE usename = $1",
+                            &[&name],
+                        )
+                        .await;
+                    let role = quote_ident(&name);
+                    let _ = client
+                        .batch_execute(&format!("DROP OWNED BY {role} CASCADE; DROP ROLE {role}"))
                         .await;
                 }
             });
         })
         .join();
     }
+}
+
+/// `name` as a quoted SQL identifier: a kind may hold any character.
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
 }

@@ -25,7 +25,7 @@ impl Ui {
     /// Starts `pgbus ui --listen <free port of 127.0.0.1> --interval 200ms ARGS` with
     /// `env`, and waits until it says it serves.
     pub async fn start(db: &common::TestDb, args: &[&str], env: &[(&str, &str)]) -> Ui {
-        Ui::start_on(&db.url(), args, env).await
+        Ui::start_on(&db.conninfo(), args, env).await
     }
 
     /// [`Ui::start`] on the database at `url`.

@@ -50,7 +50,7 @@ pub fn pgbus() -> Command {
 /// The `pgbus` binary with DATABASE_URL naming the test's database.
 pub fn pgbus_on(db: &common::TestDb) -> Command {
     let mut cmd = pgbus();
-    cmd.env("DATABASE_URL", db.url());
+    cmd.env("DATABASE_URL", db.conninfo());
     cmd
 }
 
