@@ -152,12 +152,18 @@ pub(crate) const SERVER: &str = "SELECT pg_catalog.current_setting('server_versi
 /// or another role put on its path is ever found, pg_temp last.
 pub(crate) const PINNED_SEARCH_PATH: &str = "pg_catalog, pgbus, pg_temp";
 
-/// The first statement of each of `migrate`'s transactions: the pinned search_path
-/// ([`PINNED_SEARCH_PATH`]), for this transaction only (so that it works behind a
-/// transaction-mode pooler). The migrations' statements, and the expressions they store
-/// (constraints, defaults, trigger conditions, bound to their operators when created),
-/// find only pg_catalog's and pgbus's objects.
-pub(crate) const PIN: &str = "SET LOCAL search_path = pg_catalog, pgbus, pg_temp";
+/// The first statements of each of `migrate`'s transactions, for this transaction only
+/// (so that it works behind a transaction-mode pooler):
+///
+/// - the pinned search_path ([`PINNED_SEARCH_PATH`]): the migrations' statements, and the
+///   expressions they store (constraints, defaults, trigger conditions, bound to their
+///   operators when created), find only pg_catalog's and pgbus's objects;
+/// - `client_min_messages = warning`: the server's notices (`schema "pgbus" already
+///   exists, skipping`, `drop cascades to ...`) are not sent, where the client's driver
+///   would log each one at INFO (tokio-postgres and sqlx do) on every start. Warnings and
+///   errors still are. `migrate` logs what it applied itself.
+pub(crate) const PIN: &str = "SET LOCAL search_path = pg_catalog, pgbus, pg_temp; \
+     SET LOCAL client_min_messages = warning";
 
 /// What in the `pgbus` schema the migrating role did not create and must not run or
 /// adopt, one row (`problem text`) each: the schema and every object in it (relations,
@@ -367,6 +373,11 @@ const BOOTSTRAP_ATTEMPTS: usize = 5;
 /// transactions is an unnamed one: nothing relies on a server connection beyond a
 /// transaction.
 ///
+/// It logs one INFO line (`applied migration`, with its version and name) per migration
+/// it applies, and one DEBUG line (`pgbus schema is up to date`) when there was none to
+/// apply. The server's notices (`... already exists, skipping`) are not sent during the
+/// migrations' transactions, so the client's driver does not log them.
+///
 /// # Errors
 ///
 /// [`Error::UnsupportedServer`] for a server older than [`MIN_SERVER_VERSION`] and
@@ -418,6 +429,12 @@ pub(crate) async fn run<S: Session>(session: &mut S) -> Result<Vec<Migration>> {
                 return Err(e);
             }
         }
+    }
+    if applied.is_empty() {
+        tracing::debug!(
+            version = MIGRATIONS.last().map_or(0, |m| m.version),
+            "pgbus schema is up to date"
+        );
     }
     Ok(applied)
 }

@@ -174,7 +174,8 @@ async fn send<'c, E: PgExecutor<'c>>(
 /// own transaction under the same lock, after the same refusal of a schema holding
 /// another role's objects ([`Error::UnsafeSchema`]), recorded with the same checksums, so
 /// either function finds the other's work done; safe to run concurrently from several
-/// connections and processes.
+/// connections and processes. It logs what it applied, as [`crate::migrate`] does, and
+/// not the server's notices, which sqlx would log at INFO.
 ///
 /// ```no_run
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), pgbus::Error> {

@@ -11,6 +11,8 @@
 //! `PGBUS_CHAOS_EVENTS=50000 PGBUS_CHAOS_MINUTES=5 cargo test --test chaos -- --nocapture`.
 
 mod common;
+#[path = "shared/log_buffer.rs"]
+mod log_buffer;
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
@@ -29,6 +31,8 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio_postgres::{Client, Config, NoTls};
+
+use log_buffer::LogBuffer;
 
 /// The subscriptions and their patterns.
 const SUBS: [(&str, &str); 3] = [
@@ -646,29 +650,6 @@ async fn inject(
     }
 }
 
-/// Collects the log lines of this process's buses.
-#[derive(Clone, Default)]
-struct LogBuffer(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for LogBuffer {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl LogBuffer {
-    fn count(&self, needle: &str) -> usize {
-        String::from_utf8_lossy(&self.0.lock().unwrap())
-            .lines()
-            .filter(|l| l.contains(needle))
-            .count()
-    }
-}
-
 /// Planned panics print nothing; any other panic prints as usual.
 fn quiet_planned_panics() {
     let default = std::panic::take_hook();
@@ -931,7 +912,7 @@ async fn chaos_soak_loses_nothing() {
         .map_or(0, |(_, n)| *n);
     let log_file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("chaos-{}-bus.log", std::process::id()));
-    let _ = std::fs::write(&log_file, &*logs.0.lock().unwrap());
+    let _ = std::fs::write(&log_file, logs.bytes());
 
     // Recovery: each bus reconnected once per outage of its listener, and neither its
     // claims nor its log looped.

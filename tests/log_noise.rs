@@ -3,35 +3,15 @@
 //! many times the connection comes and goes, and every event is still delivered.
 
 mod common;
+#[path = "shared/log_buffer.rs"]
+mod log_buffer;
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use log_buffer::LogBuffer;
 use pgbus::{Bus, Event};
 use serde_json::json;
 use tokio::sync::mpsc;
-
-#[derive(Clone, Default)]
-struct LogBuffer(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for LogBuffer {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl LogBuffer {
-    fn count(&self, needle: &str) -> usize {
-        String::from_utf8_lossy(&self.0.lock().unwrap())
-            .lines()
-            .filter(|l| l.contains(needle))
-            .count()
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flapping_connection_warns_once_not_once_per_flap() {
