@@ -37,6 +37,9 @@
 //! - [`test_db`], [`TestDb`], [`cluster`], [`private_cluster`]: databases and servers
 //!   for tests; [`TestDb::url`] is a `postgres://` URL that sqlx and tokio-postgres both
 //!   read.
+//! - [`assert_published`], [`assert_published_exactly`], [`assert_not_published`],
+//!   [`assert_nothing_published`], [`published`]: what the code under test published
+//!   (committed, or in the transaction given), by name and payload.
 //! - [`wait_for`], [`within`], [`count`], [`wait_count`], [`wait_settled`]: waiting, with a
 //!   deadline, for what happens in the background.
 //! - [`embedded`]: the throwaway PostgreSQL server itself.
@@ -53,7 +56,8 @@
 //! The servers and databases ([`embedded`], [`bench`](mod@bench), [`test_db`] and its friends) are
 //! Unix-only (Linux, macOS, the BSDs): the server listens on a Unix socket only, and runs
 //! as the `postgres` user when the tests run as root. The waiting helpers and
-//! [`connect`], [`url`] and [`conninfo`] work everywhere.
+//! [`connect`], [`url`], [`conninfo`] and the assertions on what was published work
+//! everywhere.
 
 #[cfg(unix)]
 pub mod bench;
@@ -69,6 +73,7 @@ pub mod nats;
 pub mod pgbouncer;
 #[cfg(unix)]
 mod process;
+mod published;
 #[cfg(unix)]
 pub mod tls;
 mod wait;
@@ -78,6 +83,10 @@ use tokio_postgres::{Client, Config, NoTls};
 
 #[cfg(unix)]
 pub use harness::{TestDb, cluster, private_cluster, test_db};
+pub use published::{
+    PublishedEvent, assert_not_published, assert_nothing_published, assert_published,
+    assert_published_exactly, published,
+};
 pub use wait::{WAIT, count, wait_count, wait_for, wait_settled, within};
 
 /// pgbus's statements, for tests and benchmarks that run or explain them directly
