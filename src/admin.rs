@@ -30,7 +30,7 @@ use chrono::{DateTime, Utc};
 use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Grant, Result};
 use crate::event::{validate_name, validate_pattern};
 use crate::publish::Executor;
 use crate::sql;
@@ -86,6 +86,38 @@ pub(crate) async fn one_row<C: GenericClient>(
         .ok_or(Error::Unexpected("a statement of one row returned none"))
 }
 
+/// `result`, or, when PostgreSQL refused `action` for want of privilege (SQLSTATE
+/// 42501), [`Error::NeedsGrant`] naming `grant` and the refused role.
+pub(crate) async fn needs_grant<C: Executor + ?Sized, T>(
+    client: &C,
+    action: &'static str,
+    grant: Grant,
+    result: Result<T>,
+) -> Result<T> {
+    match result {
+        Err(Error::Database(source))
+            if source.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
+        {
+            // Best effort: inside a failed transaction the role cannot be read.
+            let role = match client
+                .client()
+                .query_typed("SELECT current_user", &[])
+                .await
+            {
+                Ok(rows) => rows.first().and_then(|r| r.try_get::<_, String>(0).ok()),
+                Err(_) => None,
+            };
+            Err(Error::NeedsGrant {
+                action,
+                grant,
+                role,
+                source,
+            })
+        }
+        other => other,
+    }
+}
+
 /// Checks a subscription's name and patterns the way the schema's CHECK constraints do.
 ///
 /// # Errors
@@ -111,7 +143,9 @@ pub fn validate_subscription<S: AsRef<str>>(name: &str, patterns: &[S]) -> Resul
 /// # Errors
 ///
 /// [`Error::Invalid`] for a bad name, no patterns, or a bad pattern (nothing is written);
-/// [`Error::Database`] when the statement fails.
+/// [`Error::NeedsGrant`] unless run as the schema's owner (it skips the configuration
+/// lock: operators use [`configure_subscription`]); [`Error::Database`] when the statement
+/// fails.
 pub async fn register_subscription<C: Executor + ?Sized, S: AsRef<str>>(
     client: &C,
     name: &str,
@@ -131,7 +165,7 @@ pub async fn register_subscription<C: Executor + ?Sized, S: AsRef<str>>(
         (&patterns, Type::TEXT_ARRAY),
         (&max_attempts, Type::INT4),
     ];
-    client
+    let written = client
         .client()
         .query_typed(
             "INSERT INTO pgbus.subscriptions AS s (name, patterns, max_attempts) \
@@ -143,7 +177,9 @@ pub async fn register_subscription<C: Executor + ?Sized, S: AsRef<str>>(
                    IS DISTINCT FROM (EXCLUDED.patterns, EXCLUDED.max_attempts)",
             &params,
         )
-        .await?;
+        .await
+        .map_err(Error::from);
+    needs_grant(client, "registering a subscription", Grant::Owner, written).await?;
     Ok(())
 }
 
@@ -358,8 +394,9 @@ pub async fn subscription_settings<C: Executor + ?Sized>(
 ///
 /// [`Error::Invalid`] for a bad name, pattern or maximum (nothing is changed);
 /// [`Error::LockWait`] when other transactions held the configuration lock for the whole
-/// wait (nothing is changed); [`Error::Database`] when the statement fails, e.g. inside a
-/// transaction that is not READ COMMITTED.
+/// wait (nothing is changed); [`Error::NeedsGrant`] when the role lacks the operator grant
+/// (`pgbus.grant_operator`; nothing is changed); [`Error::Database`] when the statement
+/// fails, e.g. inside a transaction that is not READ COMMITTED.
 pub async fn configure_subscription<C: Executor + ?Sized>(
     client: &C,
     name: &str,
@@ -406,7 +443,14 @@ pub async fn configure_subscription_within<C: Executor + ?Sized>(
             (&on_dead, Type::TEXT),
             (&try_ms, Type::INT4),
         ];
-        let row = one_row(client.client(), sql::TRY_CONFIGURE_SUBSCRIPTION, &params).await?;
+        let row = one_row(client.client(), sql::TRY_CONFIGURE_SUBSCRIPTION, &params).await;
+        let row = needs_grant(
+            client,
+            "changing a subscription's settings",
+            Grant::Operator,
+            row,
+        )
+        .await?;
         if row.try_get::<_, bool>("got")? {
             if !row.try_get::<_, Option<bool>>("found")?.unwrap_or(false) {
                 return Ok(None);
@@ -920,13 +964,15 @@ pub async fn count_dead_letters_after<C: Executor + ?Sized>(
 ///
 /// # Errors
 ///
-/// As [`dead_letters`].
+/// As [`dead_letters`]; [`Error::NeedsGrant`] when the role lacks the operator grant
+/// (`pgbus.grant_operator`; nothing is changed).
 pub async fn retry_dead_letters<C: Executor + ?Sized>(
     client: &C,
     filter: &DeadLetterFilter,
 ) -> Result<u64> {
     filter.check(client).await?;
-    let row = one_row(client.client(), sql::DEAD_RETRY, &filter.params()).await?;
+    let row = one_row(client.client(), sql::DEAD_RETRY, &filter.params()).await;
+    let row = needs_grant(client, "retrying dead letters", Grant::Operator, row).await?;
     // Skipped dead letters of ordered subscriptions come back behind their key's head;
     // a key that has none gets one (a statement of its own: it must see the retry).
     let subs: Option<Vec<String>> = row.try_get("subscriptions")?;
@@ -958,13 +1004,15 @@ pub struct Purged {
 ///
 /// # Errors
 ///
-/// As [`dead_letters`].
+/// As [`dead_letters`]; [`Error::NeedsGrant`] when the role lacks the operator grant
+/// (`pgbus.grant_operator`; nothing is changed).
 pub async fn purge_dead_letters<C: Executor + ?Sized>(
     client: &C,
     filter: &DeadLetterFilter,
 ) -> Result<Purged> {
     filter.check(client).await?;
-    let row = one_row(client.client(), sql::DEAD_PURGE, &filter.params()).await?;
+    let row = one_row(client.client(), sql::DEAD_PURGE, &filter.params()).await;
+    let row = needs_grant(client, "purging dead letters", Grant::Operator, row).await?;
     Ok(Purged {
         dead_letters: row.try_get::<_, i64>("purged")? as u64,
         failures: row.try_get::<_, i64>("failures")? as u64,
@@ -994,7 +1042,8 @@ pub struct Replayed {
 ///
 /// [`Error::Invalid`] for a bad pattern or an `until` not after `since` (nothing is
 /// written), [`Error::UnknownSubscription`] when there is no
-/// such subscription, [`Error::Database`] when the statement fails.
+/// such subscription, [`Error::NeedsGrant`] when the role lacks the operator grant
+/// (`pgbus.grant_operator`), [`Error::Database`] when the statement fails.
 pub async fn replay<C: Executor + ?Sized>(
     client: &C,
     subscription: &str,
@@ -1023,7 +1072,8 @@ pub async fn replay<C: Executor + ?Sized>(
             (&pattern, Type::TEXT),
         ],
     )
-    .await?;
+    .await;
+    let row = needs_grant(client, "replaying events", Grant::Operator, row).await?;
     if !row.try_get::<_, bool>("found")? {
         return Err(Error::UnknownSubscription {
             name: subscription.to_string(),
@@ -1101,7 +1151,8 @@ pub struct Dropped {
 ///
 /// [`Error::UnknownSubscription`] when nothing is known under the name,
 /// [`Error::SubscriptionBusy`] when deliveries are processing and `force` is false
-/// (nothing is deleted), [`Error::Database`] when the statement fails.
+/// (nothing is deleted), [`Error::NeedsGrant`] unless run as the schema's owner,
+/// [`Error::Database`] when the statement fails.
 pub async fn drop_subscription<C: Executor + ?Sized>(
     client: &C,
     name: &str,
@@ -1112,7 +1163,8 @@ pub async fn drop_subscription<C: Executor + ?Sized>(
         sql::SUBSCRIPTION_DROP,
         &[(&name, Type::TEXT), (&force, Type::BOOL)],
     )
-    .await?;
+    .await;
+    let row = needs_grant(client, "dropping a subscription", Grant::Owner, row).await?;
     if !row.try_get::<_, bool>("known")? {
         return Err(Error::UnknownSubscription {
             name: name.to_string(),

@@ -685,7 +685,9 @@ impl BusBuilder {
     /// start with [`Error::Invalid`] naming the difference; settings it does not set
     /// follow the stored ones. On, the change is made as
     /// [`admin::configure_subscription`](crate::admin::configure_subscription) makes it,
-    /// for every consumer of the subscription.
+    /// for every consumer of the subscription; a change needs the operator grant
+    /// (`pgbus.grant_operator`) besides the consumer's, and without it the start fails
+    /// with [`Error::NeedsGrant`].
     pub fn reconfigure(mut self, reconfigure: bool) -> Self {
         self.opts.reconfigure = reconfigure;
         self

@@ -173,6 +173,26 @@ pub enum Error {
         /// The name asked for.
         name: String,
     },
+    /// PostgreSQL refused an action for want of privilege (SQLSTATE 42501): the connected
+    /// role lacks the grant it needs, and nothing was done. The message names the grant
+    /// and how the schema's owner gives it, e.g. `SELECT pgbus.grant_operator('ops')`.
+    #[error(
+        "{action} needs {}: {} ({})",
+        grant.needed(),
+        grant.fix(role.as_deref()),
+        describe(source)
+    )]
+    NeedsGrant {
+        /// What was refused, e.g. `purging dead letters`.
+        action: &'static str,
+        /// The grant that allows it.
+        grant: Grant,
+        /// The role that was refused (`current_user`), when it could be read.
+        role: Option<String>,
+        /// PostgreSQL's refusal.
+        #[source]
+        source: tokio_postgres::Error,
+    },
     /// The subscription has deliveries being processed, so it was not dropped (pass
     /// `force` to drop it anyway).
     #[error("subscription {name:?} has {processing} deliveries processing")]
@@ -182,6 +202,54 @@ pub enum Error {
         /// How many of its deliveries are processing.
         processing: i64,
     },
+}
+
+/// The grants of pgbus's roles (docs/ARCHITECTURE.md, "Roles and privileges"), as
+/// [`Error::NeedsGrant`] names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Grant {
+    /// `pgbus.grant_publisher`: publishing.
+    Publisher,
+    /// `pgbus.grant_consumer`: what a running bus does.
+    Consumer,
+    /// `pgbus.grant_operator`: settings, dead letters (retry, purge), replay, a blocked
+    /// key's head (skip, redrive).
+    Operator,
+    /// The schema's owner (the role that ran `pgbus migrate`) alone: dropping a
+    /// subscription, `register_subscription`, `pgbus.settings`.
+    Owner,
+}
+
+impl Grant {
+    /// The grant's function, `None` for the owner's actions.
+    pub fn function(self) -> Option<&'static str> {
+        match self {
+            Grant::Publisher => Some("pgbus.grant_publisher"),
+            Grant::Consumer => Some("pgbus.grant_consumer"),
+            Grant::Operator => Some("pgbus.grant_operator"),
+            Grant::Owner => None,
+        }
+    }
+
+    /// What is needed, in words.
+    fn needed(self) -> &'static str {
+        match self {
+            Grant::Publisher => "the publisher grant",
+            Grant::Consumer => "the consumer grant",
+            Grant::Operator => "the operator grant",
+            Grant::Owner => "the schema's owner",
+        }
+    }
+
+    /// How to get it, for `role`.
+    fn fix(self, role: Option<&str>) -> String {
+        let role = role.unwrap_or("ROLE").replace('\'', "''");
+        match self.function() {
+            Some(f) => format!("as the schema's owner, run SELECT {f}('{role}')"),
+            None => format!("run it as the role that ran `pgbus migrate` (not '{role}')"),
+        }
+    }
 }
 
 /// A session that holds, or waits for, a lock pgbus waited for (see [`Error::LockWait`]).
@@ -257,6 +325,7 @@ impl Error {
     pub fn code(&self) -> Option<&SqlState> {
         match self {
             Error::Database(e) | Error::SchemaMissing(e) => e.code(),
+            Error::NeedsGrant { source, .. } => source.code(),
             Error::Settle(e) | Error::SettleUnknown(e) => e.code(),
             Error::Connect { .. } => self.connect_db_error().and_then(|e| e.code()),
             #[cfg(feature = "sqlx")]
@@ -269,6 +338,7 @@ impl Error {
     pub fn as_db_error(&self) -> Option<&tokio_postgres::error::DbError> {
         match self {
             Error::Database(e) | Error::SchemaMissing(e) => e.as_db_error(),
+            Error::NeedsGrant { source, .. } => source.as_db_error(),
             Error::Settle(e) | Error::SettleUnknown(e) => e.as_db_error(),
             Error::Connect { .. } => self.connect_db_error().and_then(|e| e.as_db_error()),
             _ => None,

@@ -75,7 +75,9 @@ pub use bus::{
 pub use connect::{ConnectConfig, DEFAULT_CONNECT_TIMEOUT, ServerStream, SslMode};
 pub use context::Context;
 pub use delivery::{Delivery, Subscription};
-pub use error::{ConnectPhase, Error, HandlerError, LockHolder, MAX_ERROR_TEXT, PoolError, Result};
+pub use error::{
+    ConnectPhase, Error, Grant, HandlerError, LockHolder, MAX_ERROR_TEXT, PoolError, Result,
+};
 pub use event::{
     DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_DELAY, MAX_EVENT_BYTES, MAX_JSON_DEPTH, MAX_KEY_BYTES,
     MAX_NAME_BYTES, is_invisible, json_text_bytes, pattern_matches,

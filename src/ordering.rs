@@ -19,7 +19,8 @@
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::{ToSql, Type};
 
-use crate::error::Result;
+use crate::admin::needs_grant;
+use crate::error::{Grant, Result};
 use crate::publish::Executor;
 use crate::sql;
 
@@ -152,7 +153,9 @@ pub async fn waiting_behind<C: Executor + ?Sized>(
 ///
 /// # Errors
 ///
-/// [`Error::Database`](crate::Error::Database) when the statement fails.
+/// [`Error::NeedsGrant`](crate::Error::NeedsGrant) when the role lacks the operator grant
+/// (`pgbus.grant_operator`; nothing is changed), [`Error::Database`](crate::Error::Database)
+/// when the statement fails.
 pub async fn redrive_head<C: Executor + ?Sized>(
     client: &C,
     subscription: &str,
@@ -163,7 +166,9 @@ pub async fn redrive_head<C: Executor + ?Sized>(
     let rows = client
         .client()
         .query_typed(sql::REDRIVE_HEAD, &params)
-        .await?;
+        .await
+        .map_err(crate::Error::from);
+    let rows = needs_grant(client, "redriving a key's head", Grant::Operator, rows).await?;
     let redriven = match rows.first() {
         Some(row) => row.try_get::<_, i64>("redriven")?,
         None => 0,
@@ -176,7 +181,9 @@ pub async fn redrive_head<C: Executor + ?Sized>(
 ///
 /// # Errors
 ///
-/// [`Error::Database`](crate::Error::Database) when the statement fails.
+/// [`Error::NeedsGrant`](crate::Error::NeedsGrant) when the role lacks the operator grant
+/// (`pgbus.grant_operator`; nothing is changed), [`Error::Database`](crate::Error::Database)
+/// when the statement fails.
 pub async fn skip_head<C: Executor + ?Sized>(
     client: &C,
     subscription: &str,
@@ -184,6 +191,11 @@ pub async fn skip_head<C: Executor + ?Sized>(
 ) -> Result<bool> {
     let params: [(&(dyn ToSql + Sync), Type); 2] =
         [(&subscription, Type::TEXT), (&key, Type::TEXT)];
-    let rows = client.client().query_typed(sql::SKIP_HEAD, &params).await?;
+    let rows = client
+        .client()
+        .query_typed(sql::SKIP_HEAD, &params)
+        .await
+        .map_err(crate::Error::from);
+    let rows = needs_grant(client, "skipping a key's dead head", Grant::Operator, rows).await?;
     Ok(!rows.is_empty())
 }

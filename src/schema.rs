@@ -110,6 +110,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "size_limit_fast_path",
         sql: include_str!("../sql/0016_size_limit_fast_path.sql"),
     },
+    Migration {
+        version: 17,
+        name: "operator_role",
+        sql: include_str!("../sql/0017_operator_role.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

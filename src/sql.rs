@@ -176,19 +176,9 @@ pub const LEASE_LOST: &str = "PGB01";
 /// being settled, by the acker or by an application's transaction that completed it with
 /// [`ACK_IN`] and has not ended yet, and waiting would hold every other lease's extension
 /// until that transaction ends. A row skipped and still held is extended on the next
-/// round, a third of the lease later.
-pub const EXTEND: &str = "\
-UPDATE pgbus.deliveries AS d
-SET locked_until = now() + $4 * interval '1 millisecond'
-FROM (
-  SELECT h.subscription, h.event_seq
-  FROM pgbus.deliveries AS h
-  JOIN unnest($1::text[], $2::int8[], $3::int4[]) AS t(subscription, event_seq, attempt)
-    ON h.subscription = t.subscription AND h.event_seq = t.event_seq
-  WHERE h.attempts = t.attempt AND h.locked_by = $5 AND h.status = 'processing'
-  FOR UPDATE OF h SKIP LOCKED
-) AS held
-WHERE d.subscription = held.subscription AND d.event_seq = held.event_seq";
+/// round, a third of the lease later. `pgbus.extend_leases` (`sql/0017_operator_role.sql`)
+/// runs with the owner's rights: consumers have no UPDATE on the deliveries.
+pub const EXTEND: &str = "SELECT pgbus.extend_leases($1, $2, $3, $4, $5) AS extended";
 
 /// Returns expired leases to pending, or to the dead letters when out of attempts, with
 /// a history row each, and notifies the listening buses when anything became due.
@@ -243,18 +233,9 @@ pub const BACKLOG_TYPES: [tokio_postgres::types::Type; 2] = [
 /// flag of a new row (a poll-only bus is always awake: notifying it is useless).
 ///
 /// Returns one row: `missing`, the bus's subscriptions that no longer exist (dropped by
-/// an operator while it runs), empty when all do.
-pub const CONSUMER_HEARTBEAT: &str = "\
-WITH beat AS (
-  INSERT INTO pgbus.consumers AS c (id, awake, expires_at, subscriptions, info)
-  VALUES ($1, $5, now() + $2 * interval '1 millisecond', $3, $4)
-  ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.expires_at
-  RETURNING 1
-)
-SELECT ARRAY(SELECT n FROM unnest($3::text[]) AS n
-             WHERE NOT EXISTS (SELECT 1 FROM pgbus.subscriptions AS s WHERE s.name = n)
-             ORDER BY n) AS missing
-FROM (SELECT count(*) FROM beat) AS b";
+/// an operator while it runs), empty when all do. `pgbus.heartbeat` runs with the owner's
+/// rights: consumers have no INSERT or UPDATE on `pgbus.consumers`.
+pub const CONSUMER_HEARTBEAT: &str = "SELECT pgbus.heartbeat($1, $2, $3, $4, $5) AS missing";
 
 /// Marks this bus asleep: from now on publishers notify it. Parameter: `$1 text` worker id.
 ///
@@ -266,8 +247,9 @@ FROM (SELECT count(*) FROM beat) AS b";
 /// (`lock_not_available`): the bus stays awake and polls on a short backoff.
 pub const CONSUMER_SLEEP: &str = "SELECT pgbus.mark_asleep($1)";
 
-/// Removes this bus from `pgbus.consumers` at shutdown. Parameter: `$1 text` worker id.
-pub const CONSUMER_REMOVE: &str = "DELETE FROM pgbus.consumers WHERE id = $1";
+/// Removes this bus from `pgbus.consumers` at shutdown (`pgbus.leave`, with the owner's
+/// rights). Parameter: `$1 text` worker id. Returns one row: `left`, whether it was there.
+pub const CONSUMER_REMOVE: &str = "SELECT pgbus.leave($1) AS left";
 
 // ---- Operating the bus (crate::admin) ----
 
@@ -396,25 +378,10 @@ WHERE d.status = 'dead'
 /// retried. Parameters `$1`, `$2` as [`DEAD_COUNT`]. Returns one row: `retried`, how many
 /// were retried; `woke`, how many notifications it sent (0 or 1); `subscriptions` and
 /// `keys`, of retried deliveries of ordered subscriptions that had been skipped (not
-/// heads), NULL when none: their keys may need a head ([`ENSURE_HEADS`]).
-pub const DEAD_RETRY: &str = "\
-WITH retried AS (
-  UPDATE pgbus.deliveries AS d
-  SET status = 'pending', attempts = 0, available_at = now(), locked_until = NULL,
-      locked_by = NULL
-  WHERE d.status = 'dead'
-    AND ($1::text IS NULL OR d.subscription = $1)
-    AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
-  RETURNING d.subscription, d.ordering_key, d.is_head
-),
-wake AS (
-  SELECT pg_notify('pgbus', '') FROM (SELECT 1 FROM retried LIMIT 1) AS x
-)
-SELECT (SELECT count(*) FROM retried) AS retried, (SELECT count(*) FROM wake) AS woke,
-       (SELECT array_agg(subscription) FROM retried WHERE ordering_key IS NOT NULL AND NOT is_head)
-         AS subscriptions,
-       (SELECT array_agg(ordering_key) FROM retried WHERE ordering_key IS NOT NULL AND NOT is_head)
-         AS keys";
+/// heads), NULL when none: their keys may need a head ([`ENSURE_HEADS`]). An operator
+/// action (`pgbus.retry_dead`, granted by `pgbus.grant_operator`).
+pub const DEAD_RETRY: &str =
+    "SELECT retried, woke, subscriptions, keys FROM pgbus.retry_dead($1, $2)";
 
 /// Gives keys of ordered subscriptions a head where they have pending deliveries and none
 /// (after an operator brings skipped dead letters back). Parameters: `$1 text[]`
@@ -517,12 +484,10 @@ SELECT patterns, max_attempts, ordered, on_dead FROM pgbus.subscriptions WHERE n
 
 /// Creates a subscription unless one of that name exists. Parameters: `$1 text` name,
 /// `$2 text[]` patterns, `$3 int4` max attempts, `$4 bool` ordered, `$5 text` on_dead.
-/// Returns a row (`created`) when it created it.
+/// Returns a row (`created`) when it created it. `pgbus.join_subscription` runs with the
+/// owner's rights, so a consumer creates a subscription without INSERT on the table.
 pub const SUBSCRIPTION_CREATE: &str = "\
-INSERT INTO pgbus.subscriptions (name, patterns, max_attempts, ordered, on_dead)
-VALUES ($1, $2, $3, $4, $5)
-ON CONFLICT (name) DO NOTHING
-RETURNING 1 AS created";
+SELECT created FROM pgbus.join_subscription($1, $2, $3, $4, $5) AS created WHERE created";
 
 /// Changes a subscription's settings (`pgbus.configure_subscription`): parameters `$1
 /// text` name, then NULL to keep or the new value: `$2 text[]` patterns, `$3 int4` max
@@ -587,21 +552,9 @@ ORDER BY w.ordering_key, w.key_pos, w.event_seq";
 /// Makes a key's head due now: a dead head gets its attempts back, a head backing off is
 /// retried at once; notifies the listening buses. Parameters: `$1 text` subscription,
 /// `$2 text` key. Returns one row: `redriven` (heads redriven, 0 or 1), `woke`
-/// (notifications sent).
-pub const REDRIVE_HEAD: &str = "\
-WITH redriven AS (
-  UPDATE pgbus.deliveries
-  SET attempts = CASE WHEN status = 'dead' THEN 0 ELSE attempts END,
-      status = 'pending', available_at = now(),
-      locked_until = NULL, locked_by = NULL
-  WHERE subscription = $1 AND ordering_key = $2 AND is_head
-    AND status IN ('dead', 'pending')
-  RETURNING 1
-)
-SELECT count(*) AS redriven,
-       (SELECT count(*) FROM (SELECT pg_notify('pgbus', '')
-                              FROM redriven LIMIT 1) AS n) AS woke
-FROM redriven";
+/// (notifications sent). An operator action (`pgbus.redrive_head`, granted by
+/// `pgbus.grant_operator`).
+pub const REDRIVE_HEAD: &str = "SELECT redriven, woke FROM pgbus.redrive_head($1, $2)";
 
 /// Skips a key's dead head and promotes the next delivery (`pgbus.skip_dead_head`).
 /// Parameters: `$1 text` subscription, `$2 text` key. Returns a row (`skipped`) when

@@ -16,7 +16,7 @@ use pgbus::{Bus, Error, Event, HandlerError};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Config, NoTls};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -316,7 +316,8 @@ async fn publisher_and_consumer_roles_need_only_their_grants() {
         "DELETE FROM pgbus.consumers",
         "DELETE FROM pgbus.events",
         "UPDATE pgbus.events SET payload = '{}'",
-        // UPDATE (id) is granted for ON CONFLICT; the log refuses any change all the same.
+        // No UPDATE at all since migration 17 (the publish functions run with the owner's
+        // rights); the log would refuse any change all the same.
         "UPDATE pgbus.events SET id = 'renamed' WHERE id = 'one'",
         "TRUNCATE pgbus.events",
         "SELECT pgbus.grant_consumer(current_user::regrole)",
@@ -703,5 +704,535 @@ async fn no_setting_turns_the_key_locks_off() {
         )
         .await,
         1
+    );
+}
+
+// ---- The role table (docs/ARCHITECTURE.md, "Roles and privileges") ----
+
+/// The first column of every row of `sql`.
+async fn strings(client: &Client, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Vec<String> {
+    let rows = client.query(sql, params).await.unwrap();
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
+/// Everything granted to `role` in schema pgbus, one line per object and privilege:
+/// `schema USAGE`, `<table> <privilege>`, `<table>(<columns>) <privilege>`,
+/// `<function>() EXECUTE`.
+async fn privileges(admin: &Client, role: &str) -> Vec<String> {
+    strings(
+        admin,
+        "SELECT 'schema ' || a.privilege_type
+             FROM pg_namespace AS n, aclexplode(n.nspacl) AS a
+             WHERE n.nspname = 'pgbus' AND a.grantee = $1::text::regrole
+             UNION ALL
+             SELECT c.relname || ' ' || a.privilege_type
+             FROM pg_class AS c, aclexplode(c.relacl) AS a
+             WHERE c.relnamespace = 'pgbus'::regnamespace AND a.grantee = $1::text::regrole
+             UNION ALL
+             SELECT c.relname || '(' || string_agg(t.attname, ',' ORDER BY t.attnum) || ') '
+                    || a.privilege_type
+             FROM pg_attribute AS t JOIN pg_class AS c ON c.oid = t.attrelid,
+                  aclexplode(t.attacl) AS a
+             WHERE c.relnamespace = 'pgbus'::regnamespace AND a.grantee = $1::text::regrole
+             GROUP BY c.relname, a.privilege_type
+             UNION ALL
+             SELECT p.proname || '() ' || a.privilege_type
+             FROM pg_proc AS p, aclexplode(p.proacl) AS a
+             WHERE p.pronamespace = 'pgbus'::regnamespace AND a.grantee = $1::text::regrole
+             ORDER BY 1",
+        &[&role],
+    )
+    .await
+}
+
+/// What each grant gives, as the role table in docs/ARCHITECTURE.md lists it.
+const PUBLISHER: &[&str] = &[
+    "events SELECT",
+    "events(id,event_name,event_version,source,aggregate_type,aggregate_id,correlation_id,causation_id,occurred_at,payload,headers,available_at,ordering_key) INSERT",
+    "publish() EXECUTE",
+    "publish_batch() EXECUTE",
+    "publish_event() EXECUTE",
+    "schema USAGE",
+];
+const CONSUMER: &[&str] = &[
+    "ack_in() EXECUTE",
+    "claim() EXECUTE",
+    "consumers SELECT",
+    "deliveries SELECT",
+    "delivery_failures SELECT",
+    "events SELECT",
+    "extend_leases() EXECUTE",
+    "heartbeat() EXECUTE",
+    "join_subscription() EXECUTE",
+    "leave() EXECUTE",
+    "mark_asleep() EXECUTE",
+    "promote_orphans() EXECUTE",
+    "reap() EXECUTE",
+    "schema USAGE",
+    "settings SELECT",
+    "settle() EXECUTE",
+    "subscriptions SELECT",
+    "sweep() EXECUTE",
+];
+const OPERATOR: &[&str] = &[
+    "configure_subscription() EXECUTE",
+    "consumers SELECT",
+    "deliveries SELECT",
+    "delivery_failures SELECT",
+    "ensure_heads() EXECUTE",
+    "events SELECT",
+    "purge_dead() EXECUTE",
+    "redrive_head() EXECUTE",
+    "replay() EXECUTE",
+    "retry_dead() EXECUTE",
+    "schema USAGE",
+    "settings SELECT",
+    "skip_dead_head() EXECUTE",
+    "subscription_patterns SELECT",
+    "subscriptions SELECT",
+    "try_configure_subscription() EXECUTE",
+];
+
+/// Creates the roles of `kinds` and grants each its kind.
+async fn granted(db: &common::TestDb, admin: &Client, kinds: &[&str]) -> Roles {
+    let roles = Roles::create(db.config(), kinds).await;
+    grant(
+        admin,
+        roles
+            .names
+            .iter()
+            .map(String::as_str)
+            .zip(kinds.iter().copied()),
+    )
+    .await;
+    roles
+}
+
+/// Grants each role its kind (`publisher`, `consumer`, `operator`).
+async fn grant<'a>(admin: &Client, roles: impl IntoIterator<Item = (&'a str, &'a str)>) {
+    for (role, kind) in roles {
+        admin
+            .execute(
+                &format!("SELECT pgbus.grant_{kind}($1::text::regrole)"),
+                &[&role],
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// The grants give exactly the role table's rights; no owner-rights function a caller
+/// can call is left to PUBLIC.
+#[tokio::test]
+async fn each_grant_gives_exactly_the_role_tables_rights() {
+    let db = common::test_db().await;
+    let admin = db.connect().await;
+    let roles = granted(&db, &admin, &["publisher", "consumer", "operator"]).await;
+    assert_eq!(privileges(&admin, &roles.names[0]).await, PUBLISHER);
+    assert_eq!(privileges(&admin, &roles.names[1]).await, CONSUMER);
+    assert_eq!(privileges(&admin, &roles.names[2]).await, OPERATOR);
+    let public = strings(
+        &admin,
+        "SELECT p.oid::regprocedure::text
+             FROM pg_proc AS p,
+                  aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) AS a
+             WHERE p.pronamespace = 'pgbus'::regnamespace AND p.prosecdef
+               AND p.prorettype <> 'trigger'::regtype AND a.grantee = 0
+             ORDER BY 1",
+        &[],
+    )
+    .await;
+    assert_eq!(public, Vec::<String>::new());
+}
+
+/// Every row lock a SELECT can take (each needs UPDATE on a column of the table).
+const ROW_LOCKS: [&str; 4] = [
+    "FOR UPDATE",
+    "FOR NO KEY UPDATE",
+    "FOR SHARE",
+    "FOR KEY SHARE",
+];
+
+/// Runs `sql` in a transaction of its own (rolled back) and returns its SQLSTATE.
+async fn refused(client: &Client, sql: &str) -> SqlState {
+    let result = client.batch_execute(&format!("BEGIN; {sql}")).await;
+    client.batch_execute("ROLLBACK").await.unwrap();
+    result
+        .expect_err(sql)
+        .code()
+        .cloned()
+        .expect("a database error")
+}
+
+/// Asserts that `result` is the refusal of an action for want of `grant`, naming the
+/// grant's function and the role.
+fn needs<T: std::fmt::Debug>(result: pgbus::Result<T>, grant: pgbus::Grant, role: &str) {
+    let err = result.expect_err("the action should have been refused");
+    let message = err.to_string();
+    match &err {
+        Error::NeedsGrant {
+            grant: g, role: r, ..
+        } => {
+            assert_eq!((*g, r.as_deref()), (grant, Some(role)), "{message}");
+        }
+        other => panic!("not NeedsGrant: {other:?}"),
+    }
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE));
+    match grant.function() {
+        Some(f) => assert!(
+            message.contains(&format!("SELECT {f}('{role}')")),
+            "{message}"
+        ),
+        None => assert!(message.contains("the schema's owner"), "{message}"),
+    }
+}
+
+/// Dead letters of an unordered subscription (`u`: u1, u2) and two keys of an ordered
+/// one blocked by a dead head (`o`: k1 = o1 then o2, k2 = o3 then o4).
+async fn dead_letters_and_blocked_keys(admin: &Client) {
+    admin
+        .batch_execute(
+            "INSERT INTO pgbus.subscriptions (name, patterns, ordered) VALUES
+               ('o', '{o.*}', true), ('u', '{u.*}', false);
+             SELECT pgbus.publish('o.x', '{}', id => 'o1', ordering_key => 'k1');
+             SELECT pgbus.publish('o.x', '{}', id => 'o2', ordering_key => 'k1');
+             SELECT pgbus.publish('o.x', '{}', id => 'o3', ordering_key => 'k2');
+             SELECT pgbus.publish('o.x', '{}', id => 'o4', ordering_key => 'k2');
+             SELECT pgbus.publish('u.x', '{}', id => 'u1');
+             SELECT pgbus.publish('u.x', '{}', id => 'u2');
+             UPDATE pgbus.deliveries SET status = 'dead', attempts = 5, last_error = 'boom'
+             WHERE subscription = 'u' OR is_head;",
+        )
+        .await
+        .unwrap();
+}
+
+/// A delivery's state: `status attempts head`, or `gone`.
+async fn delivery(admin: &Client, sub: &str, id: &str) -> String {
+    admin
+        .query_opt(
+            "SELECT d.status || ' ' || d.attempts || ' ' || d.is_head
+             FROM pgbus.deliveries AS d JOIN pgbus.events AS e ON e.seq = d.event_seq
+             WHERE d.subscription = $1 AND e.id = $2",
+            &[&sub, &id],
+        )
+        .await
+        .unwrap()
+        .map_or("gone".to_owned(), |r| r.get(0))
+}
+
+/// A consumer can no longer change what is not its own deliveries' progress: no direct
+/// write, no row or table lock beyond ACCESS SHARE, no operator action. A publisher can
+/// lock neither the log's rows nor the log. Each operator action names the grant it
+/// needs, and every refused attempt leaves every table as it was.
+#[tokio::test]
+async fn consumers_and_publishers_cannot_operate_nor_lock_the_bus() {
+    let db = common::test_db().await;
+    let h = Hostile::new(&db).await;
+    dead_letters_and_blocked_keys(&h.admin).await;
+    let before = h.tables().await;
+    let denied = SqlState::INSUFFICIENT_PRIVILEGE;
+
+    let mut consumer_sql: Vec<String> = [
+        "UPDATE pgbus.subscriptions SET max_attempts = 1",
+        "UPDATE pgbus.subscriptions SET ordered = false WHERE name = 'o'",
+        "INSERT INTO pgbus.subscriptions (name, patterns) VALUES ('sneaky', '{*}')",
+        "DELETE FROM pgbus.subscriptions",
+        "UPDATE pgbus.deliveries SET status = 'pending'",
+        "DELETE FROM pgbus.deliveries WHERE status = 'dead'",
+        "DELETE FROM pgbus.delivery_failures",
+        "UPDATE pgbus.consumers SET awake = true",
+        "DELETE FROM pgbus.consumers",
+        "SELECT * FROM pgbus.purge_dead(NULL, NULL)",
+        "SELECT * FROM pgbus.retry_dead(NULL, NULL)",
+        "SELECT * FROM pgbus.replay('u', '-infinity', NULL, NULL)",
+        "SELECT * FROM pgbus.skip_dead_head('o', 'k2')",
+        "SELECT * FROM pgbus.redrive_head('o', 'k1')",
+        "SELECT * FROM pgbus.ensure_heads('{o}', '{k1}')",
+        "SELECT * FROM pgbus.configure_subscription('u', p_max_attempts => 1)",
+        "SELECT * FROM pgbus.try_configure_subscription('u', NULL, 1, NULL, NULL, 10)",
+        "SELECT pgbus.lock_keys('{o}', '{k1}')",
+        "SELECT pgbus.lock_config(true)",
+        "SELECT pgbus.lock_config(false)",
+        "SELECT * FROM pgbus.settle_unlocked('{o}', '{1}', '{1}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', '{}', 'w')",
+        "SELECT * FROM pgbus.publish_event('x', 'a.b', 1, NULL, NULL, NULL, NULL, NULL, NULL, '{}', '{}', NULL, 0, NULL)",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    for lock in ROW_LOCKS {
+        for table in [
+            "deliveries",
+            "subscriptions",
+            "consumers",
+            "events",
+            "delivery_failures",
+        ] {
+            consumer_sql.push(format!("SELECT 1 FROM pgbus.{table} {lock}"));
+        }
+    }
+    for table in [
+        "deliveries",
+        "subscriptions",
+        "consumers",
+        "delivery_failures",
+        "events",
+        "settings",
+        "config_gate",
+        "key_stripes",
+        "duties",
+    ] {
+        for mode in ["ACCESS EXCLUSIVE", "EXCLUSIVE", "SHARE", "ROW EXCLUSIVE"] {
+            consumer_sql.push(format!("LOCK TABLE pgbus.{table} IN {mode} MODE"));
+        }
+    }
+    for sql in &consumer_sql {
+        assert_eq!(refused(&h.consumer, sql).await, denied, "consumer: {sql}");
+    }
+
+    let mut publisher_sql: Vec<String> = [
+        "UPDATE pgbus.events SET id = id",
+        "LOCK TABLE pgbus.events",
+        "SELECT * FROM pgbus.claim('{o,u}', '{10,10}', 10, 60000, 'w', 1, 1000000)",
+        "SELECT pgbus.extend_leases('{}', '{}', '{}', 1000, 'w')",
+        "SELECT pgbus.heartbeat('w', 1000, '{u}', 'x', true)",
+        "SELECT * FROM pgbus.purge_dead(NULL, NULL)",
+        "SELECT * FROM pgbus.redrive_head('o', 'k1')",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    for lock in ROW_LOCKS {
+        publisher_sql.push(format!("SELECT 1 FROM pgbus.events {lock}"));
+        publisher_sql.push(format!("SELECT 1 FROM pgbus.events WHERE id = 'o1' {lock}"));
+    }
+    for mode in [
+        "ACCESS EXCLUSIVE",
+        "EXCLUSIVE",
+        "SHARE ROW EXCLUSIVE",
+        "SHARE",
+        "SHARE UPDATE EXCLUSIVE",
+        "ROW SHARE",
+    ] {
+        publisher_sql.push(format!("LOCK TABLE pgbus.events IN {mode} MODE"));
+    }
+    for sql in &publisher_sql {
+        assert_eq!(refused(&h.publisher, sql).await, denied, "publisher: {sql}");
+    }
+
+    // The library's operator actions, as the consumer: each names the operator grant.
+    let c = &h.consumer;
+    let role = h.consumer_name();
+    let op = pgbus::Grant::Operator;
+    let all = pgbus::admin::DeadLetterFilter::all();
+    needs(pgbus::admin::purge_dead_letters(c, &all).await, op, role);
+    needs(pgbus::admin::retry_dead_letters(c, &all).await, op, role);
+    let since = chrono::DateTime::<chrono::Utc>::UNIX_EPOCH;
+    needs(
+        pgbus::admin::replay(c, "u", since, None, None).await,
+        op,
+        role,
+    );
+    let change = pgbus::admin::SubscriptionChange::new().max_attempts(1);
+    needs(
+        pgbus::admin::configure_subscription(c, "u", &change).await,
+        op,
+        role,
+    );
+    needs(pgbus::ordering::redrive_head(c, "o", "k1").await, op, role);
+    needs(pgbus::ordering::skip_head(c, "o", "k2").await, op, role);
+    needs(
+        pgbus::admin::drop_subscription(c, "u", true).await,
+        pgbus::Grant::Owner,
+        role,
+    );
+    assert_eq!(h.tables().await, before);
+}
+
+/// An operator does each operator action, and nothing a consumer or the owner does.
+#[tokio::test]
+async fn an_operator_retries_purges_replays_reconfigures_redrives_and_skips() {
+    let db = common::test_db().await;
+    let admin = db.connect().await;
+    let roles = granted(&db, &admin, &["operator"]).await;
+    let role = &roles.names[0];
+    let op = connect(&as_role(&db.config(), role)).await.unwrap();
+    dead_letters_and_blocked_keys(&admin).await;
+
+    let u1 = pgbus::admin::DeadLetterFilter::all()
+        .subscription("u")
+        .event_id("u1");
+    assert_eq!(pgbus::admin::retry_dead_letters(&op, &u1).await.unwrap(), 1);
+    assert_eq!(delivery(&admin, "u", "u1").await, "pending 0 true");
+    let u = pgbus::admin::DeadLetterFilter::all().subscription("u");
+    let purged = pgbus::admin::purge_dead_letters(&op, &u).await.unwrap();
+    assert_eq!(purged.dead_letters, 1);
+    assert_eq!(delivery(&admin, "u", "u2").await, "gone");
+    let since = chrono::DateTime::<chrono::Utc>::UNIX_EPOCH;
+    let replayed = pgbus::admin::replay(&op, "u", since, None, None)
+        .await
+        .unwrap();
+    assert_eq!((replayed.matched, replayed.created), (2, 1));
+    assert_eq!(delivery(&admin, "u", "u2").await, "pending 0 true");
+    let change = pgbus::admin::SubscriptionChange::new().max_attempts(3);
+    assert_eq!(
+        pgbus::admin::configure_subscription(&op, "u", &change)
+            .await
+            .unwrap(),
+        Some(0)
+    );
+    assert_eq!(
+        pgbus::admin::subscription_settings(&op, "u")
+            .await
+            .unwrap()
+            .unwrap()
+            .max_attempts,
+        3
+    );
+    assert!(pgbus::ordering::redrive_head(&op, "o", "k1").await.unwrap());
+    assert_eq!(delivery(&admin, "o", "o1").await, "pending 0 true");
+    assert!(pgbus::ordering::skip_head(&op, "o", "k2").await.unwrap());
+    assert_eq!(delivery(&admin, "o", "o3").await, "dead 5 false");
+    assert_eq!(delivery(&admin, "o", "o4").await, "pending 0 true");
+    // The status and the dead letters read as the operator.
+    pgbus::admin::status(&op).await.unwrap();
+    pgbus::admin::dead_letters(&op, &pgbus::admin::DeadLetterFilter::all(), 10)
+        .await
+        .unwrap();
+
+    // Not a consumer's, not the owner's.
+    let denied = SqlState::INSUFFICIENT_PRIVILEGE;
+    for sql in [
+        "SELECT * FROM pgbus.claim('{o,u}', '{10,10}', 10, 60000, 'w', 1, 1000000)",
+        "SELECT pgbus.heartbeat('w', 1000, '{u}', 'x', true)",
+        "UPDATE pgbus.subscriptions SET max_attempts = 1",
+        "DELETE FROM pgbus.deliveries",
+        "LOCK TABLE pgbus.deliveries IN ACCESS EXCLUSIVE MODE",
+        "SELECT 1 FROM pgbus.deliveries FOR UPDATE",
+        "UPDATE pgbus.settings SET min_retention = '0'",
+    ] {
+        assert_eq!(refused(&op, sql).await, denied, "operator: {sql}");
+    }
+    needs(
+        pgbus::admin::drop_subscription(&op, "u", true).await,
+        pgbus::Grant::Owner,
+        role,
+    );
+}
+
+/// A bus running as a consumer role does all a bus does: claims, acknowledges (also in
+/// the application's transaction), retries, dead-letters, extends, heartbeats, leaves.
+#[tokio::test]
+async fn a_consumer_runs_the_whole_bus_with_its_functions() {
+    let db = common::test_db().await;
+    let admin = db.connect().await;
+    let roles = granted(&db, &admin, &["consumer"]).await;
+    let role = &roles.names[0];
+    let mut bus = Bus::builder(as_role(&db.config(), role))
+        .poll_interval(Duration::from_millis(100))
+        .lease(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let mut stream = bus.subscribe("view", ["t.*"]).unwrap();
+    let running = bus.start().await.unwrap();
+    common::wait_for("the bus's heartbeat", WAIT, || async {
+        count(&admin, "SELECT count(*) FROM pgbus.consumers").await == 1
+    })
+    .await;
+    for name in ["t.dead", "t.in", "t.retry"] {
+        pgbus::publish(&admin, &Event::new(name, json!({})).id(name))
+            .await
+            .unwrap();
+    }
+    let mut app = connect(&as_role(&db.config(), role)).await.unwrap();
+    let mut retried = false;
+    let mut settled = 0;
+    while settled < 3 {
+        let delivery = common::within("a delivery", WAIT, stream.next())
+            .await
+            .unwrap();
+        match delivery.event().name.as_str() {
+            "t.dead" => delivery.dead_letter("no").await.unwrap(),
+            "t.in" => {
+                let tx = app.transaction().await.unwrap();
+                delivery.ack_in(&tx).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+            _ if !retried => {
+                retried = true;
+                delivery.retry_in(Duration::from_millis(10)).await.unwrap();
+                continue;
+            }
+            _ => delivery.ack().await.unwrap(),
+        }
+        settled += 1;
+    }
+    common::wait_for("the settlements", WAIT, || async {
+        count(&admin, "SELECT count(*) FROM pgbus.deliveries").await == 1
+    })
+    .await;
+    assert_eq!(
+        count(
+            &admin,
+            "SELECT count(*) FROM pgbus.deliveries AS d JOIN pgbus.events AS e
+             ON e.seq = d.event_seq WHERE e.id = 't.dead' AND d.status = 'dead'"
+        )
+        .await,
+        1
+    );
+    let stats = running.stats();
+    assert_eq!((stats.claim_errors, stats.settle_errors), (0, 0));
+    running.shutdown().await.unwrap();
+    assert_eq!(
+        count(&admin, "SELECT count(*) FROM pgbus.consumers").await,
+        0
+    );
+}
+
+/// A database migrated with earlier versions' grants: after migration 17 its consumers
+/// and publishers have exactly the new grants' rights.
+#[tokio::test]
+async fn an_upgrade_narrows_the_grants_of_earlier_versions() {
+    let db = common::test_db().await;
+    let admin = db.connect().await;
+    let roles = Roles::create(db.config(), &["publisher", "consumer"]).await;
+    let (publisher, consumer) = (&roles.names[0], &roles.names[1]);
+    let (before, after) = pgbus::schema::MIGRATIONS.split_at(16);
+    assert_eq!(after[0].version, 17);
+    admin
+        .batch_execute("DROP SCHEMA pgbus CASCADE; CREATE SCHEMA pgbus")
+        .await
+        .unwrap();
+    let apply = |m: &pgbus::schema::Migration| {
+        format!(
+            "BEGIN; SET LOCAL search_path = pg_catalog, pgbus, pg_temp;\n{}\n;COMMIT",
+            m.sql
+        )
+    };
+    for m in before {
+        admin.batch_execute(&apply(m)).await.unwrap();
+    }
+    grant(
+        &admin,
+        [
+            (publisher.as_str(), "publisher"),
+            (consumer.as_str(), "consumer"),
+        ],
+    )
+    .await;
+    // What the earlier grants gave (so that this test can fail).
+    let old = privileges(&admin, consumer).await;
+    assert!(old.contains(&"deliveries UPDATE".to_owned()), "{old:?}");
+    assert!(old.contains(&"config_gate UPDATE".to_owned()), "{old:?}");
+    let old = privileges(&admin, publisher).await;
+    assert!(old.contains(&"events(id) UPDATE".to_owned()), "{old:?}");
+
+    for m in after {
+        admin.batch_execute(&apply(m)).await.unwrap();
+    }
+    assert_eq!(privileges(&admin, publisher).await, PUBLISHER);
+    assert_eq!(privileges(&admin, consumer).await, CONSUMER);
+    let c = connect(&as_role(&db.config(), consumer)).await.unwrap();
+    assert_eq!(
+        refused(&c, "LOCK TABLE pgbus.deliveries IN ACCESS EXCLUSIVE MODE").await,
+        SqlState::INSUFFICIENT_PRIVILEGE
     );
 }

@@ -38,7 +38,9 @@ Examples:
 Examples:
   pgbus dead retry --all
   pgbus dead retry --all --subscription mailer
-  pgbus dead retry --event 0197a5c2-8f0e-7b5e-9d4f-2f6c1e0a9b31")]
+  pgbus dead retry --event 0197a5c2-8f0e-7b5e-9d4f-2f6c1e0a9b31
+
+Needs the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE')).")]
     Retry {
         #[command(flatten)]
         which: Which,
@@ -56,7 +58,9 @@ Examples:
   pgbus dead purge --event 0197a5c2-8f0e-7b5e-9d4f-2f6c1e0a9b31
 
 Without --yes it asks for confirmation, and refuses when standard input is not a
-terminal.")]
+terminal.
+
+Needs the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE')).")]
     Purge {
         #[command(flatten)]
         which: Which,
@@ -298,7 +302,9 @@ Examples:
 
 TIME is an RFC 3339 timestamp, a date (midnight UTC), or a duration ago by the
 database's clock (30m, 2h, 7d). Only events still in the log can be replayed (see
-`pgbus sweep`); events the subscription still has a delivery of are skipped.")]
+`pgbus sweep`); events the subscription still has a delivery of are skipped.
+
+Needs the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE')).")]
 pub(crate) struct ReplayArgs {
     /// The subscription to deliver to again.
     #[arg(long, short)]
@@ -368,7 +374,9 @@ Examples:
   pgbus subscriptions drop old-projection --force
 
 Refuses while deliveries of it are processing, unless --force. Stop its consumers first:
-a consumer registers its subscription again when it starts.")]
+a consumer registers its subscription again when it starts.
+
+Only the schema's owner (the role that ran `pgbus migrate`) may drop a subscription.")]
     Drop {
         /// The subscription.
         name: String,
@@ -397,7 +405,9 @@ The change needs the configuration lock to itself, so it waits for transactions 
 published or settled under the old settings. It tries for 200 ms at a time, letting
 other publishes and settlements through in between, warns naming the sessions it waits
 on (pid, role, application_name, transaction age), and gives up after --wait, changing
-nothing.")]
+nothing.
+
+Needs the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE')).")]
     Set {
         /// The subscription.
         name: String,

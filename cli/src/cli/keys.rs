@@ -23,7 +23,9 @@ Examples:
     },
     /// Retry a key's head now: a dead head gets its attempts back, a head backing off is
     /// due at once. The key resumes in order.
-    #[command(after_help = "Example:\n  pgbus keys redrive orders-view order:42")]
+    #[command(
+        after_help = "Example:\n  pgbus keys redrive orders-view order:42\n\nNeeds the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE'))."
+    )]
     Redrive {
         /// The subscription.
         subscription: String,
@@ -31,7 +33,9 @@ Examples:
         key: String,
     },
     /// Set a key's dead head aside (it stays in `pgbus dead list`) and let the key go on.
-    #[command(after_help = "Example:\n  pgbus keys skip orders-view order:42")]
+    #[command(
+        after_help = "Example:\n  pgbus keys skip orders-view order:42\n\nNeeds the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE'))."
+    )]
     Skip {
         /// The subscription.
         subscription: String,

@@ -38,8 +38,17 @@ impl From<pgbus::Error> for Failure {
             pgbus::Error::UnsupportedServer { .. } => 1,
             _ => 1,
         };
-        let mut message = format!("error: {}", with_sources(&e));
-        if let (false, Some(db)) = (matches!(e, pgbus::Error::SchemaMissing(_)), e.as_db_error()) {
+        let mut message = match e {
+            // Names the grant and PostgreSQL's refusal already.
+            pgbus::Error::NeedsGrant { .. } => format!("error: {e}"),
+            _ => format!("error: {}", with_sources(&e)),
+        };
+        // A missing schema says to migrate, a missing grant which one: their own words.
+        let own_words = matches!(
+            e,
+            pgbus::Error::SchemaMissing(_) | pgbus::Error::NeedsGrant { .. }
+        );
+        if let (false, Some(db)) = (own_words, e.as_db_error()) {
             message = format!("error: {} (SQLSTATE {})", db.message(), db.code().code());
             if let Some(detail) = db.detail() {
                 message.push_str(&format!("\ndetail: {detail}"));

@@ -338,6 +338,8 @@ impl From<pgbus::Error> for UiError {
             pgbus::Error::Invalid { what, reason } => {
                 UiError::BadRequest(format!("{what}: {reason}"))
             }
+            // The dashboard's role lacks the grant the action needs: the message names it.
+            e @ pgbus::Error::NeedsGrant { .. } => UiError::Forbidden(e.to_string()),
             e => UiError::Database(with_sources(&e)),
         }
     }

@@ -213,6 +213,7 @@ pub(super) fn subscription(
             @if allow_actions {
                 section.actions {
                     h2 { "Actions" }
+                    p.hint { "They need the operator grant for the dashboard's database role (as the schema's owner: SELECT pgbus.grant_operator('ROLE'))." }
                     form method="post" action=(format!("{href}/retry")) {
                         (csrf_field(csrf))
                         button #retry-all type="submit" { "Retry every dead letter" }
