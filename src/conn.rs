@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{
+    Hook, HookError, Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime,
+};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
@@ -130,6 +132,23 @@ fn is_stand_in(e: &tokio_postgres::Error) -> bool {
     e.as_db_error().is_none() && format!("{e:?}").contains(STAND_IN)
 }
 
+/// A pool's `pre_recycle` hook that drops a connection the server closed (a restart, a
+/// terminated backend) before the pool's own check would warn about it, once per pooled
+/// connection, several in the same millisecond of an outage: one rate-limited warning
+/// says it instead ([`warn_limited!`](crate::warn_limited)).
+pub fn drop_closed() -> Hook {
+    Hook::sync_fn(|client, _| {
+        if client.is_closed() {
+            crate::warn_limited!(
+                "pgbus dropped a pooled connection the server had closed; a new one is opened \
+                 when needed"
+            );
+            return Err(HookError::message("connection closed"));
+        }
+        Ok(())
+    })
+}
+
 impl Db {
     /// Builds the bus's pool. No connection is opened yet.
     pub(crate) fn new(connect: &ConnectConfig, session: &Session) -> Result<Db> {
@@ -161,6 +180,7 @@ impl Db {
             // host by host, and fails with the error that names the host and phase.
             .create_timeout(None)
             .recycle_timeout(Some(Duration::from_secs(5)))
+            .pre_recycle(drop_closed())
             .build()
             // Fails only without a runtime for its timeouts, which is set above.
             .map_err(|_| Error::Unexpected("the bus's connection pool could not be built"))?;
@@ -212,10 +232,9 @@ impl Db {
         let Some(begin) = &self.begin else {
             let stmt = client.prepare_typed_cached(sql, types).await?;
             return client.query(&stmt, params).await.map_err(|e| {
-                if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME)
-                    && self.pooler_hint.allow()
-                {
-                    tracing::warn!(
+                if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME) {
+                    crate::warn_limited!(
+                        gate = &*self.pooler_hint;
                         error = %e,
                         "a prepared statement of pgbus's disappeared from its connection: if \
                          this address is a transaction-mode pooler, say so \

@@ -90,7 +90,7 @@ impl Dispatcher {
                 Ok(Some(_)) => {}
                 Ok(None) => break,
                 Err(_) => {
-                    tracing::warn!(
+                    crate::warn_limited!(
                         running = tasks.len(),
                         "pgbus shutdown timeout: aborting handlers still running"
                     );
@@ -176,7 +176,7 @@ impl Run {
             }
             Some(Err(panic)) => {
                 let msg = format!("handler panicked: {}", panic_message(&*panic));
-                span.in_scope(|| tracing::warn!(error = %msg, "pgbus handler panicked"));
+                span.in_scope(|| crate::warn_limited!(error = %msg, "pgbus handler panicked"));
                 (HandlerError::new(msg), "panic")
             }
             None => (

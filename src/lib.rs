@@ -102,6 +102,10 @@ pub mod __private {
         pub use crate::sql::*;
     }
 
+    pub use crate::backoff::{WARN_EVERY, WarnGate};
+    pub use crate::conn::drop_closed;
+    pub use tracing;
+
     /// An event checked as [`publish`](crate::publish) checks it, with its payload and
     /// headers as sent (JSON text) and its delay in milliseconds: for the test kit's COPY
     /// publisher, which must refuse what `publish_batch` refuses.

@@ -194,20 +194,13 @@ async fn ping(client: &Client) -> String {
 /// Logs the first failure of a series as a warning, the rest at debug level, so a long
 /// outage does not flood the log.
 fn connect_failed(gate: &WarnGate, failures: u32, error: &str) {
-    if failures == 0 && gate.allow() {
-        tracing::warn!(
-            error,
-            "pgbus listener could not connect; retrying with backoff"
-        );
+    if failures == 0 {
+        crate::warn_limited!(gate = gate; error, "pgbus listener could not connect; retrying with backoff");
     } else {
         tracing::debug!(error, failures, "pgbus listener still cannot connect");
     }
 }
 
 fn lost(gate: &WarnGate, reason: &str) {
-    if gate.allow() {
-        tracing::warn!(error = %reason, "pgbus listener lost its connection; reconnecting");
-    } else {
-        tracing::debug!(error = %reason, "pgbus listener lost its connection again");
-    }
+    crate::warn_limited!(gate = gate; error = %reason, "pgbus listener lost its connection; reconnecting");
 }

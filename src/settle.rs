@@ -248,7 +248,7 @@ impl Acker {
                 Ok(settled) => self.applied(part, settled, lost),
                 Err(e) if part.len() > 1 && !e.is_transient() => {
                     if tries == TRIES_BEFORE_SPLIT {
-                        tracing::warn!(
+                        crate::warn_limited!(
                             error = %e,
                             n = part.len(),
                             "pgbus could not write a batch of settlements; writing it in parts to isolate the one at fault"
@@ -312,8 +312,8 @@ impl Acker {
             } else if e.is_data_fault() || tries >= tries_allowed {
                 return Err(e);
             }
-            if tries == 1 && self.warn.allow() {
-                tracing::warn!(error = %e, n = part.len(), "pgbus could not write settlements; retrying");
+            if tries == 1 {
+                crate::warn_limited!(gate = &self.warn; error = %e, n = part.len(), "pgbus could not write settlements; retrying");
             } else {
                 tracing::debug!(error = %e, n = part.len(), tries, "pgbus could not write settlements again");
             }
@@ -378,7 +378,7 @@ impl Acker {
     /// line for them all.
     fn unknown(&self, part: Vec<SettleMsg>, lost: &Arc<Error>) {
         match part.as_slice() {
-            [m] => tracing::warn!(
+            [m] => crate::warn_limited!(
                 messaging.destination.subscription.name = %m.slot.sub().name,
                 pgbus.event_seq = m.slot.seq(),
                 pgbus.attempt = m.slot.attempt(),
@@ -387,7 +387,7 @@ impl Acker {
                 "pgbus cannot tell whether a settlement was written: its connection was lost \
                  with the statement in flight; the delivery may or may not come back"
             ),
-            _ => tracing::warn!(
+            _ => crate::warn_limited!(
                 n = part.len(),
                 error = %lost,
                 "pgbus cannot tell whether settlements were written: their connection was lost \
@@ -496,7 +496,7 @@ fn log_stale(m: &SettleMsg) {
 }
 
 fn log_dead(m: &SettleMsg, error: &str) {
-    tracing::warn!(
+    crate::warn_limited!(
         messaging.destination.subscription.name = %m.slot.sub().name,
         pgbus.event_seq = m.slot.seq(),
         pgbus.attempt = m.slot.attempt(),

@@ -11,8 +11,8 @@
 //! `PGBUS_CHAOS_EVENTS=50000 PGBUS_CHAOS_MINUTES=5 cargo test --test chaos -- --nocapture`.
 
 mod common;
-#[path = "shared/log_buffer.rs"]
-mod log_buffer;
+#[path = "shared/logs.rs"]
+mod logs;
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
@@ -31,8 +31,6 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio_postgres::{Client, Config, NoTls};
-
-use log_buffer::LogBuffer;
 
 /// The subscriptions and their patterns.
 const SUBS: [(&str, &str); 3] = [
@@ -669,13 +667,8 @@ fn quiet_planned_panics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_soak_loses_nothing() {
     quiet_planned_panics();
-    let logs = LogBuffer::default();
-    let writer = logs.clone();
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter("pgbus=info")
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .try_init();
+    // Collects the log lines of this process's buses.
+    let logs = logs::LogBuffer::install("pgbus=info");
 
     let (events, window) = plan();
     let began = Instant::now();
@@ -912,7 +905,7 @@ async fn chaos_soak_loses_nothing() {
         .map_or(0, |(_, n)| *n);
     let log_file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("chaos-{}-bus.log", std::process::id()));
-    let _ = std::fs::write(&log_file, logs.bytes());
+    let _ = std::fs::write(&log_file, logs.lines().join("\n"));
 
     // Recovery: each bus reconnected once per outage of its listener, and neither its
     // claims nor its log looped.

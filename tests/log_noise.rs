@@ -3,25 +3,18 @@
 //! many times the connection comes and goes, and every event is still delivered.
 
 mod common;
-#[path = "shared/log_buffer.rs"]
-mod log_buffer;
+#[path = "shared/logs.rs"]
+mod logs;
 
 use std::time::Duration;
 
-use log_buffer::LogBuffer;
 use pgbus::{Bus, Event};
 use serde_json::json;
 use tokio::sync::mpsc;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flapping_connection_warns_once_not_once_per_flap() {
-    let logs = LogBuffer::default();
-    let writer = logs.clone();
-    tracing_subscriber::fmt()
-        .with_env_filter("pgbus=info")
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .init();
+    let logs = logs::LogBuffer::install("pgbus=info");
     let db = common::test_db().await;
     let client = db.connect().await;
     // ALTER DATABASE ... ALLOW_CONNECTIONS runs from another database.

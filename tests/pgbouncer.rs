@@ -177,7 +177,7 @@ async fn a_stream_acks_and_acks_in_the_callers_transaction_through_the_pooler() 
     common::wait_count(
         &client,
         "both deliveries to be completed",
-        "SELECT count(*) FROM pgbus.deliveries",
+        common::WORK_LEFT,
         0,
     )
     .await;

@@ -51,7 +51,7 @@ async fn migrate_twice_changes_nothing_the_second_time() {
     assert!(
         first
             .iter()
-            .any(|l| l.starts_with("trigger events_fan_out"))
+            .any(|l| l.starts_with("trigger events_order_key"))
     );
 
     let again = pgbus::migrate(&client).await.unwrap();

@@ -67,7 +67,7 @@ async fn settings_seen(
     common::wait_count(
         &client,
         "the delivery to be completed",
-        "SELECT count(*) FROM pgbus.deliveries",
+        common::WORK_LEFT,
         0,
     )
     .await;

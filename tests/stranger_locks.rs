@@ -391,7 +391,7 @@ async fn a_role_that_can_only_connect_cannot_stop_the_bus() {
     let late_ids: Vec<String> = late.iter().map(|e| e.id.clone()).collect();
     handled_all(&handled, &late_ids).await;
     common::wait_for("every delivery settled", WAIT, || async {
-        common::count(&admin, "SELECT count(*) FROM pgbus.deliveries").await == 0
+        common::count(&admin, common::WORK_LEFT).await == 0
     })
     .await;
 

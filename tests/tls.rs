@@ -210,7 +210,7 @@ async fn a_bus_claims_acks_and_listens_over_verified_tls() {
     pgbus_testkit::wait_count(
         &client,
         "the acknowledgement to be written",
-        "SELECT count(*) FROM pgbus.deliveries",
+        pgbus_testkit::WORK_LEFT,
         0,
     )
     .await;

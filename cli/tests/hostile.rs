@@ -714,6 +714,7 @@ async fn invisible_characters_show_as_marked_codes() {
         .aggregate("acct", "1");
     let id = event.id.clone();
     pgbus::publish(&client, &event).await.unwrap();
+    common::fan_out(&client).await;
     let error = format!("failed: {sneaky}");
     client
         .execute(

@@ -40,7 +40,7 @@ fn password_from_file(file: &Path, target: &Target, dbname: &str, user: &str) ->
     {
         use std::os::unix::fs::PermissionsExt;
         if meta.permissions().mode() & 0o077 != 0 {
-            tracing::warn!(
+            crate::warn_limited!(
                 file = %file.display(),
                 "pgbus ignores the password file: group or others may read it (chmod 0600)"
             );

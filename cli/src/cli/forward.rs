@@ -182,7 +182,7 @@ async fn forward_one(
                 if let Err(e) = delivery.ack().await {
                     // The event is in the broker; its delivery comes back and the re-send
                     // is dropped as a duplicate.
-                    tracing::warn!(error = %e, "acknowledging a forwarded delivery failed");
+                    pgbus::warn_limited!(error = %e, "acknowledging a forwarded delivery failed");
                 }
                 return;
             }
@@ -191,7 +191,7 @@ async fn forward_one(
                 let id = delivery.event().id.clone();
                 tracing::error!(event = %id, %reason, "the broker refuses the event");
                 if let Err(e) = delivery.dead_letter(reason).await {
-                    tracing::warn!(error = %e, "dead-lettering a refused delivery failed");
+                    pgbus::warn_limited!(error = %e, "dead-lettering a refused delivery failed");
                 }
                 return;
             }

@@ -90,7 +90,7 @@ pub(super) async fn serve(
                 Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of file descriptors, mostly: wait for some to be closed.
-                    tracing::warn!(error = %e, "pgbus ui cannot accept a connection");
+                    pgbus::warn_limited!(error = %e, "pgbus ui cannot accept a connection");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
