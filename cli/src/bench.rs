@@ -100,6 +100,9 @@ pub(crate) enum PublishState {
     Live,
     /// As `busy`, but the publishers call the SQL function `pgbus.publish()`.
     Sql,
+    /// As `busy`, but the publishers INSERT into `pgbus.events` themselves, as raw SQL
+    /// or COPY would.
+    Raw,
 }
 
 impl PublishState {
@@ -111,6 +114,7 @@ impl PublishState {
             PublishState::Busy => "busy",
             PublishState::Live => "live",
             PublishState::Sql => "sql",
+            PublishState::Raw => "raw",
         }
     }
 }
@@ -193,13 +197,18 @@ pub(crate) struct Knobs {
     #[arg(long, value_delimiter = ',', default_values_t = [1, 10, 100, 1000])]
     pub batch: Vec<usize>,
 
+    /// publish: subscriptions registered, one matching the events and the others not
+    /// (what every publish would pay for if it looked at each).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub subscriptions: u32,
+
     /// publish: concurrent publishers.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 4, 16, 64])]
     pub publishers: Vec<usize>,
 
     /// publish: consumer states (the plain INSERT floor always runs).
     #[arg(long, value_enum, value_delimiter = ',',
-          default_values_t = [PublishState::Off, PublishState::None, PublishState::Asleep, PublishState::Busy, PublishState::Sql])]
+          default_values_t = [PublishState::Off, PublishState::None, PublishState::Asleep, PublishState::Busy, PublishState::Sql, PublishState::Raw])]
     pub states: Vec<PublishState>,
 
     /// publish: measured seconds per cell (after a short warm-up).

@@ -44,6 +44,13 @@ const SQL_BATCH: &str = "SELECT pgbus.publish(event_name => u.n, payload => u.p,
      aggregate_type => u.t, aggregate_id => u.a) \
      FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[]) AS u(i, n, t, a, p)";
 
+/// A raw INSERT into the log, one event (a prepared statement; the floor's parameters).
+const RAW_ONE: &str = "INSERT INTO pgbus.events (id, event_name, aggregate_type, aggregate_id, payload) \
+     VALUES ($1, $2, $3, $4, $5)";
+/// A raw multi-row INSERT into the log.
+const RAW_BATCH: &str = "INSERT INTO pgbus.events (id, event_name, aggregate_type, aggregate_id, payload) \
+     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[])";
+
 /// What a cell publishes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -53,6 +60,8 @@ enum Kind {
     Sql,
     /// Plain INSERT into `bench_plain` (prepared statements).
     Plain,
+    /// Plain INSERT into `pgbus.events` (prepared statements).
+    Raw,
 }
 
 fn events(batch: usize, next: &AtomicU64) -> Vec<Event> {
@@ -79,6 +88,7 @@ async fn publisher(
 ) -> Result<Client> {
     let (one, many) = match kind {
         Kind::Sql => (SQL_ONE, SQL_BATCH),
+        Kind::Raw => (RAW_ONE, RAW_BATCH),
         _ => (PLAIN_ONE, PLAIN_BATCH),
     };
     let one = client
@@ -98,7 +108,7 @@ async fn publisher(
             (Kind::Pgbus, _) => {
                 pgbus::publish_batch(&tx, &evs).await?;
             }
-            (Kind::Plain | Kind::Sql, 1) => {
+            (Kind::Plain | Kind::Sql | Kind::Raw, 1) => {
                 let e = &evs[0];
                 tx.execute(
                     &one,
@@ -112,7 +122,7 @@ async fn publisher(
                 )
                 .await?;
             }
-            (Kind::Plain | Kind::Sql, _) => {
+            (Kind::Plain | Kind::Sql | Kind::Raw, _) => {
                 let ids: Vec<&str> = evs.iter().map(|e| e.id.as_str()).collect();
                 let names: Vec<&str> = evs.iter().map(|e| e.name.as_str()).collect();
                 let types: Vec<Option<&str>> =
@@ -167,7 +177,7 @@ async fn enter_state(
                 .batch_execute("ALTER TABLE pgbus.events DISABLE TRIGGER events_notify")
                 .await?;
         }
-        Some(PublishState::Asleep | PublishState::Busy | PublishState::Sql) => {
+        Some(PublishState::Asleep | PublishState::Busy | PublishState::Sql | PublishState::Raw) => {
             let awake = state != Some(PublishState::Asleep);
             admin
                 .execute(
@@ -216,6 +226,7 @@ async fn cell(
     let kind = match state {
         None => Kind::Plain,
         Some(PublishState::Sql) => Kind::Sql,
+        Some(PublishState::Raw) => Kind::Raw,
         Some(_) => Kind::Pgbus,
     };
     let stop = Arc::new(AtomicBool::new(false));
@@ -277,6 +288,16 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
             let admin = db.connect().await?;
             admin.batch_execute(PLAIN_TABLE).await?;
             pgbus::admin::register_subscription(&admin, "bench-publish", &["bench.*"], 25).await?;
+            if args.knobs.subscriptions > 1 {
+                admin
+                    .execute(
+                        "INSERT INTO pgbus.subscriptions (name, patterns) \
+                         SELECT 'bench-other-' || i, ARRAY['other' || i || '.*'] \
+                         FROM generate_series(2, $1) AS i",
+                        &[&(args.knobs.subscriptions as i32)],
+                    )
+                    .await?;
+            }
             let mut clients = Vec::new();
             for _ in 0..max_publishers {
                 clients.push(db.connect().await?);
@@ -351,6 +372,7 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
     // The targets, where the grid has the cells they need.
     let busy = Some(PublishState::Busy);
     let sql = Some(PublishState::Sql);
+    let raw = Some(PublishState::Raw);
     let mut targets = Vec::new();
     let mut target = |name, value: f64, goal, what: &str| {
         if value.is_finite() {
@@ -368,6 +390,12 @@ pub(super) async fn run(server: &Server, args: &BenchArgs) -> Result<Report> {
         rate(sql, 1, 16) / rate(None, 1, 16),
         0.6,
         "16 single-event publishers through pgbus.publish(), consumer busy / plain INSERT",
+    );
+    target(
+        "raw_16_vs_insert",
+        rate(raw, 1, 16) / rate(None, 1, 16),
+        0.6,
+        "16 single-event publishers through a raw INSERT into pgbus.events, consumer busy / plain INSERT",
     );
     target(
         "busy_1_vs_insert",
