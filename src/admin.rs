@@ -32,6 +32,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Grant, Result};
 use crate::event::{validate_name, validate_pattern};
+use crate::metrics::{FanOutBacklog, XminHorizon};
 use crate::publish::Executor;
 use crate::sql;
 use tokio_postgres::GenericClient;
@@ -532,7 +533,7 @@ pub(crate) async fn join_subscription<C: Executor + ?Sized>(
                     ),
                 ));
             }
-            tracing::warn!(
+            crate::warn_limited!(
                 messaging.destination.subscription.name = name,
                 changes = %differences.join(", "),
                 "pgbus is reconfiguring a subscription for every consumer"
@@ -587,9 +588,16 @@ pub struct SubscriptionStatus {
     /// How long the oldest due delivery has been due (the lag); `None` when none is due.
     pub oldest_due_age: Option<Duration>,
     /// Events published in the last minute that matched this subscription and whose
-    /// delivery is finished (completed, or purged). Completed deliveries are deleted, so
-    /// this is read from the log: a retry or replay of an older event is not counted.
+    /// delivery is finished (completed, or purged; an event not yet turned into deliveries
+    /// is not). Completed deliveries are deleted, so this is read from the log: a retry or
+    /// replay of an older event is not counted. Exact unless
+    /// [`done_estimated`](Self::done_estimated).
     pub done_last_minute: i64,
+    /// Whether [`done_last_minute`](Self::done_last_minute) is an estimate: the last
+    /// minute held more than [`RECENT_EVENTS_CAP`] events, or more than
+    /// [`RECENT_PROBES_CAP`] pairs of an event and a matching subscription, and the count
+    /// was taken over an even sample of it and scaled up (shown as `~N`).
+    pub done_estimated: bool,
     /// Live consumers (running buses) serving this subscription.
     pub consumers: i64,
 }
@@ -609,12 +617,31 @@ pub struct Status {
     pub consumers: i64,
     /// Live consumers that are asleep (publishers notify them).
     pub sleeping_consumers: i64,
+    /// What holds the database's xmin horizon back: the oldest transaction, and the
+    /// replication slots (see [`xmin_horizon`]).
+    pub horizon: XminHorizon,
+    /// The events committed and not yet turned into deliveries (see
+    /// [`fan_out_backlog`]): none of the subscriptions' counts include them yet.
+    pub fan_out: FanOutBacklog,
 }
+
+/// The most events of the last minute [`status`] reads to count each subscription's
+/// [`done_last_minute`](SubscriptionStatus::done_last_minute): a busier minute is
+/// sampled evenly and the counts are estimated.
+pub const RECENT_EVENTS_CAP: i64 = 2_000;
+
+/// The most deliveries [`status`] probes (one per event and matching subscription) to
+/// count [`done_last_minute`](SubscriptionStatus::done_last_minute), and
+/// [`delivered_recently`] per event it may read: beyond, the sample is thinned and the
+/// counts are estimated.
+pub const RECENT_PROBES_CAP: i64 = 10_000;
 
 /// Reads the state of every subscription and of the notification machinery.
 ///
-/// Counting reads every delivery (O(backlog)); it is meant for operators, not for a hot
-/// path.
+/// Counting the backlog reads every delivery (O(backlog)); it is meant for operators,
+/// not for a hot path. The last minute's counts cost at most [`RECENT_EVENTS_CAP`]
+/// events and [`RECENT_PROBES_CAP`] probes, whatever the traffic
+/// ([`SubscriptionStatus::done_estimated`]).
 ///
 /// # Errors
 ///
@@ -642,13 +669,15 @@ pub async fn status_of<C: Executor + ?Sized>(
             name: name.to_string(),
         });
     }
-    let row = one_row(client, sql::STATUS_CLUSTER, &[]).await?;
+    let cluster = read_cluster(client).await?;
     Ok(Status {
         subscriptions,
-        notification_queue_usage: row.try_get("notification_queue_usage")?,
-        listeners: row.try_get("listeners")?,
-        consumers: row.try_get("consumers")?,
-        sleeping_consumers: row.try_get("sleeping_consumers")?,
+        notification_queue_usage: cluster.notification_queue_usage,
+        listeners: cluster.listeners,
+        consumers: cluster.consumers,
+        sleeping_consumers: cluster.sleeping_consumers,
+        horizon: cluster.horizon,
+        fan_out: cluster.fan_out,
     })
 }
 
@@ -697,8 +726,16 @@ async fn subscription_statuses<C: GenericClient>(
     client: &C,
     name: Option<&str>,
 ) -> Result<Vec<SubscriptionStatus>> {
+    let [t_name, t_events, t_probes] = sql::STATUS_SUBSCRIPTIONS_TYPES;
     let rows = client
-        .query_typed(sql::STATUS_SUBSCRIPTIONS, &[(&name, Type::TEXT)])
+        .query_typed(
+            sql::STATUS_SUBSCRIPTIONS,
+            &[
+                (&name, t_name),
+                (&RECENT_EVENTS_CAP, t_events),
+                (&RECENT_PROBES_CAP, t_probes),
+            ],
+        )
         .await?;
     rows.iter()
         .map(|row| {
@@ -717,6 +754,7 @@ async fn subscription_statuses<C: GenericClient>(
                     .try_get::<_, Option<f64>>("oldest_due_age")?
                     .map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)),
                 done_last_minute: row.try_get("done_last_minute")?,
+                done_estimated: row.try_get("done_estimated")?,
                 consumers: row.try_get("consumers")?,
             })
         })
@@ -1321,17 +1359,19 @@ pub struct RecentlyDelivered {
     /// Events finished per subscription, by name; a subscription that finished none is
     /// absent.
     pub delivered: Vec<(String, i64)>,
-    /// The window held more events than the most read: the counts are of the newest
-    /// ones only, lower bounds.
+    /// The window held more events than the most read (or more pairs of an event and a
+    /// matching subscription than the probes allowed): the counts are estimated from an
+    /// even sample of the window, its newest event included, scaled up (shown as `~N`).
     pub capped: bool,
 }
 
 /// How many events of the last `window` each subscription has finished (completed, or
-/// purged), reading at most the `max_events` newest events of the window. Divided by
-/// the window, it is the subscription's recent throughput (a lower bound when
+/// purged), reading at most `max_events` events of the window and probing the
+/// deliveries at most `max_events` times (once per event and matching subscription).
+/// Divided by the window, it is the subscription's recent throughput (an estimate when
 /// [`capped`](RecentlyDelivered::capped)). Read from the log, as
 /// [`SubscriptionStatus::done_last_minute`]: its cost is bounded by `max_events`,
-/// whatever the backlog or the publishing rate.
+/// whatever the backlog, the publishing rate or how many subscriptions an event matches.
 ///
 /// # Errors
 ///
@@ -1353,12 +1393,16 @@ pub async fn delivered_recently<C: Executor + ?Sized>(
         .client()
         .query_typed(
             sql::DELIVERED_RECENTLY,
-            &[(&seconds, Type::FLOAT8), (&max_events, Type::INT8)],
+            &[
+                (&seconds, Type::FLOAT8),
+                (&max_events, Type::INT8),
+                (&max_events, Type::INT8),
+            ],
         )
         .await?;
     let mut out = RecentlyDelivered::default();
     for row in &rows {
-        out.capped |= row.try_get::<_, bool>("capped")?;
+        out.capped |= row.try_get::<_, bool>("estimated")?;
         if let Some(subscription) = row.try_get::<_, Option<String>>("subscription")? {
             out.delivered
                 .push((subscription, row.try_get("delivered")?));
@@ -1528,20 +1572,66 @@ pub struct ClusterStatus {
     pub consumers: i64,
     /// Live consumers that are asleep.
     pub sleeping_consumers: i64,
+    /// What holds the database's xmin horizon back (see [`xmin_horizon`]).
+    pub horizon: XminHorizon,
+    /// The events not yet turned into deliveries (see [`fan_out_backlog`]).
+    pub fan_out: FanOutBacklog,
 }
 
-/// Reads the notification machinery's state alone: one cheap statement, unlike
-/// [`status`], which also counts every delivery.
+/// Reads the notification machinery's state and the xmin horizon alone: two cheap
+/// statements, unlike [`status`], which also counts every delivery.
 ///
 /// # Errors
 ///
 /// [`Error::Database`] when the statement fails.
 pub async fn cluster_status<C: Executor + ?Sized>(client: &C) -> Result<ClusterStatus> {
-    let row = one_row(client.client(), sql::STATUS_CLUSTER, &[]).await?;
+    read_cluster(client.client()).await
+}
+
+async fn read_cluster<C: GenericClient>(client: &C) -> Result<ClusterStatus> {
+    let row = one_row(client, sql::STATUS_CLUSTER, &[]).await?;
+    let horizon = one_row(client, sql::XMIN_HORIZON, &[]).await?;
+    let fan_out = read_fan_out_backlog(client).await?;
     Ok(ClusterStatus {
         notification_queue_usage: row.try_get("notification_queue_usage")?,
         listeners: row.try_get("listeners")?,
         consumers: row.try_get("consumers")?,
         sleeping_consumers: row.try_get("sleeping_consumers")?,
+        horizon: XminHorizon::from_row(&horizon)?,
+        fan_out,
     })
+}
+
+/// Counts the events committed and not yet turned into deliveries, up to
+/// [`GAUGE_COUNT_CAP`](crate::metrics::GAUGE_COUNT_CAP), with the age of the oldest: the
+/// first stage of the backlog (docs/ARCHITECTURE.md, "The log-first publish"). A
+/// running bus turns them into deliveries at its next claim, so the count stays near 0
+/// while one runs. [`FanOutBacklog::record`] sets its gauges.
+///
+/// # Errors
+///
+/// [`Error::Database`] when the statement fails.
+pub async fn fan_out_backlog<C: Executor + ?Sized>(client: &C) -> Result<FanOutBacklog> {
+    read_fan_out_backlog(client.client()).await
+}
+
+async fn read_fan_out_backlog<C: GenericClient>(client: &C) -> Result<FanOutBacklog> {
+    let cap = crate::metrics::GAUGE_COUNT_CAP;
+    let params: [Param<'_>; 1] = [(&cap, sql::FAN_OUT_BACKLOG_TYPES[0].clone())];
+    FanOutBacklog::from_row(&one_row(client, sql::FAN_OUT_BACKLOG, &params).await?)
+}
+
+/// Reads what holds the database's xmin horizon back: the oldest transaction of this
+/// database with a snapshot or a transaction id (a session idle in transaction, a long
+/// query or report, a prepared transaction), and the oldest xmin of a replication slot.
+/// While one is held, VACUUM cannot remove what settled deliveries leave behind, and
+/// the claims and settlements slow down as they walk past it (README, "A long
+/// transaction"). [`XminHorizon::record`] sets its gauges.
+///
+/// # Errors
+///
+/// [`Error::Database`] when the statement fails.
+pub async fn xmin_horizon<C: Executor + ?Sized>(client: &C) -> Result<XminHorizon> {
+    let row = one_row(client.client(), sql::XMIN_HORIZON, &[]).await?;
+    XminHorizon::from_row(&row)
 }

@@ -76,6 +76,7 @@ pub(crate) struct Options {
     pub(crate) synchronous_commit: bool,
     pub(crate) retention: Option<Duration>,
     pub(crate) gauge_interval: Option<Duration>,
+    pub(crate) long_transaction: Option<Duration>,
     /// Whether `retry` was set on the builder (its maximum attempts then count as asked).
     pub(crate) retry_set: bool,
     pub(crate) reconfigure: bool,
@@ -170,6 +171,7 @@ impl Bus {
                 synchronous_commit: DEFAULT_SYNCHRONOUS_COMMIT,
                 retention: Some(DEFAULT_RETENTION),
                 gauge_interval: Some(crate::metrics::DEFAULT_GAUGE_INTERVAL),
+                long_transaction: Some(crate::metrics::DEFAULT_LONG_TRANSACTION_WARNING),
                 retry_set: false,
                 reconfigure: false,
                 claim_bytes: DEFAULT_CLAIM_BYTES,
@@ -363,6 +365,7 @@ impl Parts {
                 lease: opts.lease,
                 retention: opts.retention,
                 gauges: opts.gauge_interval,
+                long_transaction: opts.long_transaction,
             },
             dropped: self.dropped.clone(),
             lease_warn: WarnGate::default(),
@@ -723,6 +726,20 @@ impl BusBuilder {
         self
     }
 
+    /// Sets the age past which the oldest transaction holding the database's xmin
+    /// horizon back is a warning in the log (default
+    /// [`DEFAULT_LONG_TRANSACTION_WARNING`](crate::metrics::DEFAULT_LONG_TRANSACTION_WARNING),
+    /// 5 minutes; at most one a minute). It is
+    /// sampled with the gauges ([`gauge_interval`](Self::gauge_interval); never without
+    /// them) and set as the gauge
+    /// [`OLDEST_TRANSACTION_AGE`](crate::metrics::OLDEST_TRANSACTION_AGE). While such a
+    /// transaction lasts, VACUUM cannot remove what settled deliveries leave behind and
+    /// the bus slows down (README, "A long transaction"). `None`: no warning.
+    pub fn long_transaction_warning(mut self, after: Option<Duration>) -> Self {
+        self.opts.long_transaction = after;
+        self
+    }
+
     /// Sets the byte budget of claimed, unsettled deliveries (default
     /// [`DEFAULT_CLAIM_BYTES`], 16 MiB), so that memory is bounded by bytes as well as by
     /// count. A claim leases, oldest first, only the deliveries whose payloads and headers
@@ -760,7 +777,7 @@ impl BusBuilder {
         }
         let mut opts = self.opts.clone();
         if self.config.is_pooler() && self.listen_config.is_none() && !opts.poll_only {
-            tracing::warn!(
+            crate::warn_limited!(
                 poll_interval = ?opts.poll_interval,
                 "pgbus connects through a transaction-mode pooler, which cannot carry LISTEN, \
                  and has no listen_config: it falls back to polling (give it a direct \

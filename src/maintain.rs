@@ -93,6 +93,9 @@ pub(crate) struct Schedule {
     pub(crate) retention: Option<Duration>,
     /// How often the backlog gauges are sampled; `None`: never.
     pub(crate) gauges: Option<Duration>,
+    /// The age past which the oldest transaction holding the xmin horizon is a warning
+    /// (sampled with the gauges); `None`: never.
+    pub(crate) long_transaction: Option<Duration>,
 }
 
 /// The maintenance task.
@@ -229,11 +232,7 @@ impl Maintainer {
                 .transpose()
         };
         if let Err(e) = extended.await {
-            if self.lease_warn.allow() {
-                tracing::warn!(error = %e, "pgbus could not extend leases");
-            } else {
-                tracing::debug!(error = %e, "pgbus could not extend leases again");
-            }
+            crate::warn_limited!(gate = &self.lease_warn; error = %e, "pgbus could not extend leases");
         }
     }
 
@@ -328,6 +327,72 @@ impl Maintainer {
             Ok(None) => {}
             Err(e) => tracing::debug!(error = %e, "pgbus could not sample the backlog gauges"),
         }
+        self.sample_fan_out().await;
+        self.sample_horizon().await;
+    }
+
+    /// Samples the events not yet turned into deliveries ([`sql::FAN_OUT_BACKLOG`]) and
+    /// sets their gauges.
+    async fn sample_fan_out(&self) {
+        let sampled = async {
+            let client = self.client().await?;
+            let cap = crate::metrics::GAUGE_COUNT_CAP;
+            let params: [&(dyn ToSql + Sync); 1] = [&cap];
+            let work = self.db().query(
+                &client,
+                sql::FAN_OUT_BACKLOG,
+                &sql::FAN_OUT_BACKLOG_TYPES,
+                &params,
+            );
+            self.db()
+                .unless_stopped(&client, self.shutdown.token(), work)
+                .await
+                .transpose()
+        };
+        match sampled.await {
+            Ok(Some(rows)) => match rows.first().map(crate::metrics::FanOutBacklog::from_row) {
+                Some(Ok(backlog)) => backlog.record(),
+                Some(Err(e)) => tracing::debug!(error = %e, "pgbus cannot read a gauge sample"),
+                None => {}
+            },
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "pgbus could not sample the fan-out gauges"),
+        }
+    }
+
+    /// Samples what holds the xmin horizon back ([`sql::XMIN_HORIZON`]), sets its gauges,
+    /// and warns (rate-limited) when the oldest transaction is older than the schedule's
+    /// threshold.
+    async fn sample_horizon(&self) {
+        let sampled = async {
+            let client = self.client().await?;
+            let work = self.db().query(&client, sql::XMIN_HORIZON, &[], &[]);
+            self.db()
+                .unless_stopped(&client, self.shutdown.token(), work)
+                .await
+                .transpose()
+        };
+        let horizon = match sampled.await {
+            Ok(Some(rows)) => match rows.first().map(crate::metrics::XminHorizon::from_row) {
+                Some(Ok(horizon)) => horizon,
+                Some(Err(e)) => return tracing::debug!(error = %e, "pgbus cannot read the horizon"),
+                None => return,
+            },
+            Ok(None) => return,
+            Err(e) => return tracing::debug!(error = %e, "pgbus could not sample the horizon"),
+        };
+        horizon.record();
+        if let Some(threshold) = self.schedule.long_transaction
+            && horizon.older_than(threshold)
+        {
+            crate::warn_limited!(
+                age_seconds = horizon.oldest_transaction_age.unwrap_or_default().round() as i64,
+                transaction = horizon.oldest_transaction.as_deref().unwrap_or(""),
+                "pgbus sees a long transaction holding the xmin horizon back: VACUUM cannot \
+                 remove settled deliveries until it ends, and claims slow down (end it, or \
+                 see the README's \"A long transaction\")"
+            );
+        }
     }
 
     /// Runs one retention sweep batch; returns when the next one is due.
@@ -365,7 +430,7 @@ impl Maintainer {
             }
             Ok(None) => later,
             Err(e) => {
-                tracing::warn!(error = %e, "pgbus retention sweep failed");
+                crate::warn_limited!(error = %e, "pgbus retention sweep failed");
                 later
             }
         }

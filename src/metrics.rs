@@ -66,6 +66,30 @@ pub const OLDEST_DUE_AGE: &str = "pgbus_oldest_due_age_seconds";
 /// Gauge `{subscription}`: ordering keys blocked by a dead head.
 pub const BLOCKED_KEYS: &str = "pgbus_blocked_keys";
 
+/// Gauge: seconds since the oldest transaction of this database that holds the xmin
+/// horizon back (a session with a snapshot or a transaction id, a prepared transaction)
+/// started; 0 when none does. While it is held, VACUUM cannot remove the rows deleted or
+/// updated since, and the claims and settlements walk past them: see
+/// [`XminHorizon`].
+pub const OLDEST_TRANSACTION_AGE: &str = "pgbus_oldest_transaction_age_seconds";
+/// Gauge: the age, in transactions, of the oldest xmin a replication slot holds (0 when
+/// none holds one): a slot whose standby or consumer is gone holds the horizon as a long
+/// transaction does.
+pub const SLOT_XMIN_AGE: &str = "pgbus_replication_slot_xmin_age";
+
+/// Gauge: committed events the bus has not yet turned into deliveries (counted up to
+/// [`GAUGE_COUNT_CAP`]): the backlog before the deliveries (docs/ARCHITECTURE.md, "The
+/// log-first publish"). It stays near 0 while any bus claims; it grows when none runs.
+pub const FAN_OUT_BACKLOG: &str = "pgbus_fan_out_backlog";
+/// Gauge: seconds since the oldest of those events was written (0 when none waits).
+pub const FAN_OUT_OLDEST_AGE: &str = "pgbus_fan_out_oldest_age_seconds";
+
+/// The age past which a running bus warns of the oldest transaction holding the xmin
+/// horizon back, by default
+/// ([`BusBuilder::long_transaction_warning`](crate::BusBuilder::long_transaction_warning)),
+/// and the dashboard shows a banner: 5 minutes.
+pub const DEFAULT_LONG_TRANSACTION_WARNING: Duration = Duration::from_secs(300);
+
 /// How often a running bus samples the gauges by default: every 15 s.
 pub const DEFAULT_GAUGE_INTERVAL: Duration = Duration::from_secs(15);
 
@@ -134,6 +158,109 @@ pub fn describe() {
         Unit::Count,
         "Ordering keys blocked by a dead head"
     );
+    describe_gauge!(
+        FAN_OUT_BACKLOG,
+        Unit::Count,
+        "Committed events not yet turned into deliveries (counted up to 100000)"
+    );
+    describe_gauge!(
+        FAN_OUT_OLDEST_AGE,
+        Unit::Seconds,
+        "Age of the oldest committed event not yet turned into deliveries (0 when none)"
+    );
+    describe_gauge!(
+        OLDEST_TRANSACTION_AGE,
+        Unit::Seconds,
+        "Age of the oldest transaction holding the xmin horizon back (0 when none)"
+    );
+    describe_gauge!(
+        SLOT_XMIN_AGE,
+        Unit::Count,
+        "Age in transactions of the oldest xmin a replication slot holds (0 when none)"
+    );
+}
+
+/// What holds the database's xmin horizon back, one row of the horizon statement
+/// (`src/sql.rs`, `XMIN_HORIZON`). While a transaction holds it, VACUUM cannot remove
+/// the rows deleted or updated since (settled deliveries among them): the indexes the
+/// claims and settlements walk fill with dead entries and both slow down, tenfold and
+/// more after minutes. Sampled with the gauges by a running bus (which warns past
+/// [`BusBuilder::long_transaction_warning`](crate::BusBuilder::long_transaction_warning)),
+/// and read by [`admin::status`](crate::admin::status).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct XminHorizon {
+    /// Seconds since the oldest transaction of this database that holds the horizon (a
+    /// session with a snapshot or a transaction id, or a prepared transaction) started;
+    /// `None` when none does. Without `pg_read_all_stats` (or superuser), only the
+    /// sessions of the connecting role are seen.
+    pub oldest_transaction_age: Option<f64>,
+    /// That transaction: `pid N (application, state)`, or `prepared transaction 'gid'`.
+    pub oldest_transaction: Option<String>,
+    /// The age, in transactions, of the oldest xmin a replication slot holds; `None` when
+    /// none holds one.
+    pub slot_xmin_age: Option<i64>,
+}
+
+impl XminHorizon {
+    /// Reads the row of the horizon statement.
+    pub(crate) fn from_row(row: &Row) -> Result<XminHorizon> {
+        Ok(XminHorizon {
+            oldest_transaction_age: row
+                .try_get::<_, Option<f64>>("oldest_transaction_age")?
+                .filter(|s| s.is_finite())
+                .map(|s| s.max(0.0)),
+            oldest_transaction: row.try_get("oldest_transaction")?,
+            slot_xmin_age: row.try_get("slot_xmin_age")?,
+        })
+    }
+
+    /// Sets the gauges [`OLDEST_TRANSACTION_AGE`] and [`SLOT_XMIN_AGE`] on the installed
+    /// recorder.
+    pub fn record(&self) {
+        gauge!(OLDEST_TRANSACTION_AGE).set(self.oldest_transaction_age.unwrap_or(0.0));
+        gauge!(SLOT_XMIN_AGE).set(self.slot_xmin_age.unwrap_or(0) as f64);
+    }
+
+    /// Whether the oldest transaction is older than `threshold`.
+    pub fn older_than(&self, threshold: Duration) -> bool {
+        self.oldest_transaction_age
+            .is_some_and(|age| age > threshold.as_secs_f64())
+    }
+}
+
+/// The events committed and not yet turned into deliveries: the first stage of the
+/// backlog, before any subscription's (`pgbus.not_fanned_out`). Read by
+/// [`admin::fan_out_backlog`](crate::admin::fan_out_backlog) and
+/// [`admin::status`](crate::admin::status), and sampled with the gauges by a running bus.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct FanOutBacklog {
+    /// The events, counted up to [`GAUGE_COUNT_CAP`].
+    pub events: i64,
+    /// Seconds since the oldest of them was written (among those counted); `None` when
+    /// none waits.
+    pub oldest_age: Option<f64>,
+}
+
+impl FanOutBacklog {
+    /// Reads the row of `pgbus.not_fanned_out`.
+    pub(crate) fn from_row(row: &Row) -> Result<FanOutBacklog> {
+        Ok(FanOutBacklog {
+            events: row.try_get("events")?,
+            oldest_age: row
+                .try_get::<_, Option<f64>>("oldest_age")?
+                .filter(|s| s.is_finite())
+                .map(|s| s.max(0.0)),
+        })
+    }
+
+    /// Sets the gauges [`FAN_OUT_BACKLOG`] and [`FAN_OUT_OLDEST_AGE`] on the installed
+    /// recorder.
+    pub fn record(&self) {
+        gauge!(FAN_OUT_BACKLOG).set(self.events as f64);
+        gauge!(FAN_OUT_OLDEST_AGE).set(self.oldest_age.unwrap_or(0.0));
+    }
 }
 
 /// One subscription's backlog, as the gauges report it: one row of the gauge statement

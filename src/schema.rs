@@ -115,6 +115,16 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "operator_role",
         sql: include_str!("../sql/0017_operator_role.sql"),
     },
+    Migration {
+        version: 18,
+        name: "log_first",
+        sql: include_str!("../sql/0018_log_first.sql"),
+    },
+    Migration {
+        version: 19,
+        name: "bounded_status",
+        sql: include_str!("../sql/0019_bounded_status.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

@@ -253,21 +253,26 @@ pub const CONSUMER_REMOVE: &str = "SELECT pgbus.leave($1) AS left";
 
 // ---- Operating the bus (crate::admin) ----
 
-/// Status of each subscription (or of one: `$1 text`, NULL for all).
+/// Status of each subscription (or of one: `$1 text`, NULL for all); `$2 int8` and
+/// `$3 int8`, the most events read and deliveries probed for `done_last_minute`
+/// ([`RECENT_EVENTS_CAP`](crate::admin::RECENT_EVENTS_CAP),
+/// [`RECENT_PROBES_CAP`](crate::admin::RECENT_PROBES_CAP)).
 ///
 /// Columns: `name`, `patterns`, `max_attempts`; `pending`, `due` (now), `processing` and
 /// `dead` deliveries; `oldest_due_age`, the seconds since the oldest due delivery became
 /// due (NULL when none is due); `done_last_minute`, the events published in the last
-/// minute that matched and whose delivery is finished (completed, or purged);
+/// minute that matched and whose delivery is finished (completed, or purged), and
+/// `done_estimated`, whether that count was estimated from a sample of the minute;
 /// `consumers`, live consumers serving it; `blocked_keys`, keys blocked by a dead head.
 ///
 /// Set-based: one pass over the deliveries (of the one subscription, through the primary
-/// key, when `$1` is given) grouped by subscription; one pass over the last minute of the
-/// log (`events_created_at_idx`) matched through the pattern index; one over the live
-/// consumers. Its cost follows the deliveries and the last minute's events, not their
-/// product with the number of subscriptions. Completed deliveries are deleted, so the log
-/// is the only cheap record of them: a retry or replay of an older event that completes
-/// in the last minute is not counted.
+/// key, when `$1` is given) grouped by subscription; the last minute's count from
+/// `pgbus.done_recently` (migration 19), which reads at most `$2` events of the log and
+/// probes the deliveries at most `$3` times, sampling a busier minute evenly and scaling
+/// the counts up; one pass over the live consumers. Its cost follows the deliveries, not
+/// the traffic nor its product with the number of subscriptions. Completed deliveries
+/// are deleted, so the log is the only cheap record of them: a retry or replay of an
+/// older event that completes in the last minute is not counted.
 pub const STATUS_SUBSCRIPTIONS: &str = "\
 WITH counts AS (
   SELECT d.subscription,
@@ -283,20 +288,9 @@ WITH counts AS (
   WHERE $1::text IS NULL OR d.subscription = $1
   GROUP BY d.subscription
 ),
-recent AS (
-  SELECT e.seq, e.event_name, e.created_at FROM pgbus.events AS e
-  WHERE e.created_at > now() - interval '1 minute' AND e.available_at <= now()
-),
-done AS (
-  SELECT m.subscription, count(*) AS n
-  FROM recent AS e
-  CROSS JOIN LATERAL pgbus.subscriptions_matching(e.event_name) AS m
-  JOIN pgbus.subscriptions AS s ON s.name = m.subscription
-  WHERE ($1::text IS NULL OR m.subscription = $1)
-    AND e.created_at >= s.created_at
-    AND NOT EXISTS (SELECT 1 FROM pgbus.deliveries AS d
-                    WHERE d.subscription = m.subscription AND d.event_seq = e.seq)
-  GROUP BY m.subscription
+recent AS MATERIALIZED (
+  SELECT r.subscription, r.done, r.estimated
+  FROM pgbus.done_recently(60, $1::text, $2::int8, $3::int8) AS r
 ),
 live AS (
   SELECT t.name, count(*) AS n
@@ -309,14 +303,23 @@ SELECT s.name, s.patterns, s.max_attempts,
        coalesce(c.processing, 0) AS processing, coalesce(c.dead, 0) AS dead,
        (extract(epoch FROM now()) - extract(epoch FROM c.oldest_due))::float8
          AS oldest_due_age,
-       coalesce(done.n, 0) AS done_last_minute, coalesce(live.n, 0) AS consumers,
+       coalesce(done.done, 0) AS done_last_minute,
+       coalesce((SELECT bool_or(r.estimated) FROM recent AS r), false) AS done_estimated,
+       coalesce(live.n, 0) AS consumers,
        coalesce(c.blocked, 0) AS blocked_keys
 FROM pgbus.subscriptions AS s
 LEFT JOIN counts AS c ON c.subscription = s.name
-LEFT JOIN done ON done.subscription = s.name
+LEFT JOIN recent AS done ON done.subscription = s.name
 LEFT JOIN live ON live.name = s.name
 WHERE $1::text IS NULL OR s.name = $1
 ORDER BY s.name";
+
+/// The parameter types of [`STATUS_SUBSCRIPTIONS`].
+pub const STATUS_SUBSCRIPTIONS_TYPES: [tokio_postgres::types::Type; 3] = [
+    tokio_postgres::types::Type::TEXT,
+    tokio_postgres::types::Type::INT8,
+    tokio_postgres::types::Type::INT8,
+];
 
 /// Cluster-wide status, one row: `notification_queue_usage` (0 to 1), `listeners` (the
 /// backends of this database named `pgbus listener` in `pg_stat_activity`), `consumers`
@@ -330,6 +333,49 @@ SELECT pg_notification_queue_usage() AS notification_queue_usage,
        (SELECT count(*) FROM pgbus.consumers WHERE expires_at > now()) AS consumers,
        (SELECT count(*) FROM pgbus.consumers WHERE expires_at > now() AND NOT awake)
          AS sleeping_consumers";
+
+/// The events committed and not yet turned into deliveries, one row: `events` (up to
+/// `$1`) and `oldest_age`, the seconds since the oldest of them was written (NULL when
+/// none). Index probes on the log's `xid` from the boundary (`pgbus.not_fanned_out`).
+pub const FAN_OUT_BACKLOG: &str = "SELECT events, oldest_age FROM pgbus.not_fanned_out($1)";
+/// [`FAN_OUT_BACKLOG`]'s parameter types.
+pub const FAN_OUT_BACKLOG_TYPES: [tokio_postgres::types::Type; 1] =
+    [tokio_postgres::types::Type::INT8];
+
+/// What holds the database's xmin horizon back, one row: `oldest_transaction_age`, the
+/// seconds since the oldest transaction of this database that holds it started (a
+/// session other than this one whose `backend_xmin` or `backend_xid` is set, autovacuum
+/// aside, or a prepared transaction; NULL when none), `oldest_transaction`, which one
+/// (`pid N (application, state)` or `prepared transaction 'gid'`), and
+/// `slot_xmin_age`, the age in transactions of the oldest xmin a replication slot holds
+/// (NULL when none). Reads `pg_stat_activity` (only the connecting role's sessions
+/// without `pg_read_all_stats`), `pg_prepared_xacts` and `pg_replication_slots`: a few
+/// rows each.
+pub const XMIN_HORIZON: &str = "\
+SELECT h.age AS oldest_transaction_age, h.holder AS oldest_transaction,
+       (SELECT max(pg_catalog.age(s.xmin)) FROM pg_catalog.pg_replication_slots AS s
+        WHERE s.xmin IS NOT NULL)::int8 AS slot_xmin_age
+FROM (SELECT 1) AS one
+LEFT JOIN LATERAL (
+  SELECT extract(epoch FROM now() - t.started)::float8 AS age, t.holder
+  FROM (
+    SELECT a.xact_start AS started,
+           format('pid %s (%s, %s)', a.pid,
+                  coalesce(nullif(a.application_name, ''), 'no application name'),
+                  a.state) AS holder
+    FROM pg_catalog.pg_stat_activity AS a
+    WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+      AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+      AND a.xact_start IS NOT NULL
+      AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+    UNION ALL
+    SELECT p.prepared, format('prepared transaction %L', p.gid)
+    FROM pg_catalog.pg_prepared_xacts AS p
+    WHERE p.database = current_database()
+  ) AS t
+  ORDER BY t.started
+  LIMIT 1
+) AS h ON true";
 
 /// Whether a subscription exists. Parameter: `$1 text` name. Returns one row: `exists`.
 pub const SUBSCRIPTION_EXISTS: &str =
@@ -577,53 +623,24 @@ WHERE expires_at > now()
 ORDER BY id";
 
 /// How many events each subscription finished recently: of the events created in the
-/// last `$1 float8` seconds (and already due), at most the `$2 int8` newest, those that
-/// the subscription matches and has no delivery of any more (completed, or purged), as
-/// `done_last_minute` in [`STATUS_SUBSCRIPTIONS`] counts them over a window of one's
-/// choosing. Completed deliveries are deleted, so the log is the only cheap record of
-/// them: a retry or replay of an older event is not counted.
+/// last `$1 float8` seconds (and already due), those that the subscription matches and
+/// has no delivery of any more (completed, or purged), as `done_last_minute` in
+/// [`STATUS_SUBSCRIPTIONS`] counts them over a window of one's choosing, reading at most
+/// `$2 int8` events and probing the deliveries at most `$3 int8` times
+/// (`pgbus.done_recently`, migration 19). Completed deliveries are deleted, so the log is
+/// the only cheap record of them: a retry or replay of an older event is not counted.
 ///
-/// Columns: `subscription`, `delivered`, and `capped`, whether the window held more than
-/// `$2` events (then `delivered` counts only among the newest `$2`: a lower bound). A
-/// subscription that finished none has no row; when none did, one row of NULLs but
-/// `capped`.
+/// Columns: `subscription`, `delivered`, and `estimated`, whether the window held more
+/// than `$2` events or more than `$3` pairs of an event and a matching subscription
+/// (then `delivered` is estimated from an even sample of the window that includes its
+/// newest event, scaled up). A subscription that finished none has no row; when none
+/// did, one row of NULLs but `estimated`.
 ///
-/// Reads at most `$2` entries of `events_created_at_idx` (newest first), matches each
-/// distinct event name once through the pattern index, and probes the deliveries' primary
-/// key once per event and matching subscription (a scalar subquery, so that the planner
-/// cannot turn it into a join over every delivery): its cost is bounded by `$2`,
-/// whatever the backlog or the publishing rate.
+/// Its cost is bounded by `$2` and `$3`, whatever the backlog, the publishing rate or the
+/// number of subscriptions an event matches.
 pub const DELIVERED_RECENTLY: &str = "\
-WITH recent AS (
-  SELECT e.seq, e.event_name, e.created_at, e.available_at
-  FROM pgbus.events AS e
-  WHERE e.created_at > now() - $1::float8 * interval '1 second'
-  ORDER BY e.created_at DESC
-  LIMIT $2::int8 + 1
-),
-kept AS (
-  SELECT * FROM recent ORDER BY created_at DESC LIMIT $2::int8
-),
-matched AS (
-  SELECT n.event_name, m.subscription, s.created_at
-  FROM (SELECT DISTINCT event_name FROM kept) AS n
-  CROSS JOIN LATERAL pgbus.subscriptions_matching(n.event_name) AS m
-  JOIN pgbus.subscriptions AS s ON s.name = m.subscription
-),
-done AS (
-  SELECT m.subscription, count(*) AS delivered
-  FROM kept AS e
-  JOIN matched AS m ON m.event_name = e.event_name
-  WHERE e.available_at <= now()
-    AND e.created_at >= m.created_at
-    AND (SELECT 1 FROM pgbus.deliveries AS d
-         WHERE d.subscription = m.subscription AND d.event_seq = e.seq) IS NULL
-  GROUP BY m.subscription
-)
-SELECT done.subscription, done.delivered, (SELECT count(*) FROM recent) > $2::int8 AS capped
-FROM (SELECT 1) AS one
-LEFT JOIN done ON true
-ORDER BY done.subscription";
+SELECT r.subscription, r.done AS delivered, r.estimated
+FROM pgbus.done_recently($1::float8, NULL, $2::int8, $3::int8) AS r";
 
 /// The failure history of deliveries: every failed attempt, oldest first. Parameters:
 /// `$1 text` subscription, `$2 int8[]` event seqs, `$3 int8` the most rows returned.
@@ -775,6 +792,8 @@ pub const ALL: &[(&str, &str)] = &[
     ("BACKLOG", BACKLOG),
     ("STATUS_SUBSCRIPTIONS", STATUS_SUBSCRIPTIONS),
     ("STATUS_CLUSTER", STATUS_CLUSTER),
+    ("XMIN_HORIZON", XMIN_HORIZON),
+    ("FAN_OUT_BACKLOG", FAN_OUT_BACKLOG),
     ("SUBSCRIPTION_EXISTS", SUBSCRIPTION_EXISTS),
     ("DEAD_LIST", DEAD_LIST),
     ("DEAD_COUNT", DEAD_COUNT),

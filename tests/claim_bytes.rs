@@ -72,6 +72,7 @@ async fn one_claim_takes_what_fits_in_its_budget_and_at_least_one() {
         .await
         .unwrap();
     big_events(&client, 10).await;
+    common::fan_out(&client).await;
     let size: i64 = client
         .query_one(
             "SELECT max(pg_column_size(payload) + pg_column_size(headers))::int8 FROM pgbus.events",
@@ -145,7 +146,7 @@ async fn a_bus_holds_no_more_than_its_byte_budget_and_delivers_everything() {
         .await
         .unwrap();
     common::wait_for("every big event to be delivered", WAIT, || async {
-        count(&client, "SELECT count(*) FROM pgbus.deliveries").await == 0
+        count(&client, common::WORK_LEFT).await == 0
     })
     .await;
     let stats = running.stats();
@@ -170,9 +171,13 @@ async fn the_budget_reads_sizes_by_primary_key_and_the_claim_keeps_its_index() {
     client
         .batch_execute(
             "INSERT INTO pgbus.events (event_name, payload)
-             SELECT 'b.x', jsonb_build_object('i', i) FROM generate_series(1, 100000) AS i;
-             ANALYZE pgbus.deliveries; ANALYZE pgbus.events;",
+             SELECT 'b.x', jsonb_build_object('i', i) FROM generate_series(1, 100000) AS i;",
         )
+        .await
+        .unwrap();
+    common::fan_out(&client).await;
+    client
+        .batch_execute("ANALYZE pgbus.deliveries; ANALYZE pgbus.events;")
         .await
         .unwrap();
     let stmt = client

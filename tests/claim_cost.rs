@@ -22,6 +22,7 @@ async fn publish_many(client: &tokio_postgres::Client, name: &str, n: i64) {
         )
         .await
         .unwrap();
+    common::fan_out(client).await;
     client
         .batch_execute("ANALYZE pgbus.deliveries; ANALYZE pgbus.events;")
         .await

@@ -40,6 +40,7 @@ async fn the_dashboards_reads_say_where_each_delivery_stands() {
                 .get::<_, i64>(0)
         }
     };
+    common::fan_out(&client).await;
     let (one_seq, two_seq) = (seq(&one.id).await, seq(&two.id).await);
     // "all" completed the first event; "ones" failed it twice, for good.
     client

@@ -216,14 +216,14 @@ async fn the_dashboard_queries_at_a_large_backlog() {
         c,
         "DELIVERED_RECENTLY (10 s)",
         pgbus_testkit::sql::DELIVERED_RECENTLY,
-        &[&10.0f64, &10_000i64],
+        &[&10.0f64, &10_000i64, &10_000i64],
     )
     .await;
     explain(
         c,
         "DELIVERED_RECENTLY (1 h)",
         pgbus_testkit::sql::DELIVERED_RECENTLY,
-        &[&3600.0f64, &10_000i64],
+        &[&3600.0f64, &10_000i64, &10_000i64],
     )
     .await;
     explain(

@@ -27,8 +27,8 @@ async fn wait_listening(bus: &RunningBus) {
 }
 
 async fn wait_empty(client: &tokio_postgres::Client) {
-    common::wait_for("every delivery to be settled", WAIT, || async {
-        count(client, "SELECT count(*) FROM pgbus.deliveries").await == 0
+    common::wait_for("every event to be delivered and settled", WAIT, || async {
+        count(client, common::WORK_LEFT).await == 0
     })
     .await;
 }
@@ -1012,9 +1012,13 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
             "INSERT INTO pgbus.events (event_name, payload) \
              SELECT 'big.x', jsonb_build_object('i', i) FROM generate_series(1, 200000) i; \
              INSERT INTO pgbus.events (event_name, payload) \
-             SELECT 'small.x', '{}' FROM generate_series(1, 10); \
-             ANALYZE pgbus.deliveries; ANALYZE pgbus.events;",
+             SELECT 'small.x', '{}' FROM generate_series(1, 10);",
         )
+        .await
+        .unwrap();
+    common::fan_out(&client).await;
+    client
+        .batch_execute("ANALYZE pgbus.deliveries; ANALYZE pgbus.events;")
         .await
         .unwrap();
     for sub in ["big", "small"] {
@@ -1099,30 +1103,48 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
     }
 }
 
+/// `pgbus.claim` turns what committed into deliveries (docs/ARCHITECTURE.md, "The
+/// log-first publish"), then runs `pgbus.claim_due`, whose body is the CLAIM statement
+/// with a generic plan.
 #[tokio::test]
 async fn the_claim_function_runs_the_claim_statement() {
     let db = common::test_db().await;
     let client = db.connect().await;
-    let row = client
-        .query_one(
-            "SELECT prosrc, proconfig FROM pg_proc \
-             WHERE oid = 'pgbus.claim(text[], int4[], int4, int8, text, int4, int8)'::regprocedure",
-            &[],
-        )
-        .await
-        .unwrap();
-    let body: String = row.get(0);
-    let config: Vec<String> = row.get(1);
+    let function = |signature: &'static str| {
+        let client = &client;
+        async move {
+            let row = client
+                .query_one(
+                    "SELECT prosrc, coalesce(proconfig, '{}') FROM pg_proc \
+                     WHERE oid = $1::text::regprocedure",
+                    &[&signature],
+                )
+                .await
+                .unwrap();
+            (row.get::<_, String>(0), row.get::<_, Vec<String>>(1))
+        }
+    };
     let squash = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let (wrapper, _) = function("pgbus.claim(text[], int4[], int4, int8, text, int4, int8)").await;
+    let wrapper = squash(&wrapper);
+    let cut = wrapper.find("PERFORM pgbus.fan_out_committed();");
+    let run =
+        wrapper.find("RETURN QUERY SELECT * FROM pgbus.claim_due($1, $2, $3, $4, $5, $6, $7);");
+    assert!(
+        matches!((cut, run), (Some(c), Some(r)) if c < r),
+        "pgbus.claim does not cut a batch and then claim:\n{wrapper}"
+    );
+    let (body, config) =
+        function("pgbus.claim_due(text[], int4[], int4, int8, text, int4, int8)").await;
     assert!(
         squash(&body).contains(&squash(pgbus_testkit::sql::CLAIM)),
-        "pgbus.claim's body is not the CLAIM statement:\n{body}"
+        "pgbus.claim_due's body is not the CLAIM statement:\n{body}"
     );
     assert!(
         config
             .iter()
             .any(|c| c == "plan_cache_mode=force_generic_plan"),
-        "pgbus.claim does not run with a generic plan: {config:?}"
+        "pgbus.claim_due does not run with a generic plan: {config:?}"
     );
 }
 

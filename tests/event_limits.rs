@@ -43,6 +43,7 @@ async fn rows(client: &Client) -> (i64, i64) {
 async fn both_subscriptions_still_deliver(client: &Client) {
     let event = Event::new("after.refusal", json!({"ok": true})).aggregate("order", "42");
     pgbus::publish(client, &event).await.unwrap();
+    common::fan_out(client).await;
     let subs: Vec<String> = client
         .query(
             "SELECT d.subscription FROM pgbus.deliveries AS d
@@ -414,6 +415,7 @@ async fn an_over_long_key_is_refused_and_ordering_goes_on() {
     pgbus::publish(&client, &longest).await.unwrap();
     let keyed = Event::new("k.edge", json!({})).ordering_key(&long[..512]);
     pgbus::publish(&client, &keyed).await.unwrap();
+    common::fan_out(&client).await;
     let heads: i64 = client
         .query_one(
             "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'o' AND is_head \

@@ -6,6 +6,8 @@
 //! records reaches that recorder, and tests running at once do not mix.
 
 mod common;
+#[path = "shared/logs.rs"]
+mod logs;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -115,6 +117,7 @@ async fn a_real_run_counts_publishes_acks_retries_dead_letters_and_lease_expirie
     pgbus::publish(&client, &Event::new("orphan.left", json!({})))
         .await
         .unwrap();
+    common::fan_out(&client).await;
     client
         .batch_execute(
             "UPDATE pgbus.deliveries SET status = 'processing', attempts = 1, \
@@ -251,31 +254,35 @@ async fn seed_every_state(client: &tokio_postgres::Client) {
         .unwrap();
     client
         .batch_execute(
-            "INSERT INTO pgbus.events (event_name, payload) \
-               SELECT 'g.plain', '{}' FROM generate_series(1, 5); \
-             INSERT INTO pgbus.events (event_name, payload, available_at) \
-               SELECT 'g.plain', '{}', now() + interval '1 hour' FROM generate_series(1, 2); \
-             UPDATE pgbus.deliveries SET available_at = now() - interval '100 seconds' \
-               WHERE subscription = 'g_plain' AND event_seq = \
-                 (SELECT min(event_seq) FROM pgbus.deliveries WHERE subscription = 'g_plain'); \
-             UPDATE pgbus.deliveries SET status = 'processing', attempts = 1, locked_by = 'other', \
-               locked_until = now() + interval '1 hour' \
-               WHERE subscription = 'g_plain' AND event_seq = \
-                 (SELECT max(event_seq) FROM pgbus.deliveries \
-                  WHERE subscription = 'g_plain' AND available_at <= now()); \
-             UPDATE pgbus.deliveries SET status = 'dead', attempts = 25 \
-               WHERE subscription = 'g_plain' AND event_seq = \
-                 (SELECT max(event_seq) FROM pgbus.deliveries \
-                  WHERE subscription = 'g_plain' AND status = 'pending' AND available_at <= now()); \
-             INSERT INTO pgbus.events (event_name, payload, ordering_key) \
-               SELECT 'g.ordered', '{}', k FROM unnest(ARRAY['k1','k1','k1','k2','k2']) AS k; \
-             INSERT INTO pgbus.events (event_name, payload, available_at) \
-               VALUES ('g.ordered', '{}', now() + interval '1 hour'); \
-             UPDATE pgbus.deliveries SET status = 'dead', attempts = 25 \
-               WHERE subscription = 'g_ordered' AND ordering_key = 'k1' AND is_head; \
-             UPDATE pgbus.deliveries SET status = 'processing', attempts = 1, locked_by = 'other', \
-               locked_until = now() + interval '1 hour' \
-               WHERE subscription = 'g_ordered' AND ordering_key = 'k2' AND is_head;",
+            "INSERT INTO pgbus.events (event_name, payload) SELECT 'g.plain', '{}' FROM \
+             generate_series(1, 5); INSERT INTO pgbus.events (event_name, payload, \
+             available_at) SELECT 'g.plain', '{}', now() + interval '1 hour' FROM \
+             generate_series(1, 2); INSERT INTO pgbus.events (event_name, payload, \
+             ordering_key) SELECT 'g.ordered', '{}', k FROM \
+             unnest(ARRAY['k1','k1','k1','k2','k2']) AS k; INSERT INTO pgbus.events \
+             (event_name, payload, available_at) VALUES ('g.ordered', '{}', now() + interval \
+             '1 hour')",
+        )
+        .await
+        .unwrap();
+    // The deliveries the bus makes of them, then their states.
+    common::fan_out(client).await;
+    client
+        .batch_execute(
+            "UPDATE pgbus.deliveries SET available_at = now() - interval '100 seconds' WHERE \
+             subscription = 'g_plain' AND event_seq = (SELECT min(event_seq) FROM \
+             pgbus.deliveries WHERE subscription = 'g_plain'); UPDATE pgbus.deliveries SET \
+             status = 'processing', attempts = 1, locked_by = 'other', locked_until = now() + \
+             interval '1 hour' WHERE subscription = 'g_plain' AND event_seq = (SELECT \
+             max(event_seq) FROM pgbus.deliveries WHERE subscription = 'g_plain' AND \
+             available_at <= now()); UPDATE pgbus.deliveries SET status = 'dead', attempts = \
+             25 WHERE subscription = 'g_plain' AND event_seq = (SELECT max(event_seq) FROM \
+             pgbus.deliveries WHERE subscription = 'g_plain' AND status = 'pending' AND \
+             available_at <= now()); UPDATE pgbus.deliveries SET status = 'dead', attempts = \
+             25 WHERE subscription = 'g_ordered' AND ordering_key = 'k1' AND is_head; UPDATE \
+             pgbus.deliveries SET status = 'processing', attempts = 1, locked_by = 'other', \
+             locked_until = now() + interval '1 hour' WHERE subscription = 'g_ordered' AND \
+             ordering_key = 'k2' AND is_head",
         )
         .await
         .unwrap();
@@ -376,6 +383,71 @@ async fn the_gauges_report_a_seeded_backlog() {
         "the bus samples only its own subscriptions"
     );
     running.shutdown().await.unwrap();
+}
+
+/// A session idle in transaction holds the xmin horizon back: the bus's gauge reads its
+/// age, the bus warns once past its threshold (set low here), `status` names it; once it
+/// ends, it is gone from them.
+#[tokio::test]
+async fn a_long_transaction_is_a_gauge_a_warning_and_a_status() {
+    let (mut seen, _local) = recording();
+    let (logs, _logging) = logs::LogBuffer::scoped("pgbus=info");
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut config = db.config();
+    config.application_name("long reader");
+    let (holder, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    // A transaction id, kept: the horizon stays where it was until the transaction ends.
+    holder
+        .batch_execute("BEGIN; SELECT pg_current_xact_id();")
+        .await
+        .unwrap();
+
+    let running = Bus::builder(db.config())
+        .gauge_interval(Some(Duration::from_millis(200)))
+        .long_transaction_warning(Some(Duration::from_secs(1)))
+        .handler_fn("lt", ["lt.*"], |_e: Event| async { Ok(()) })
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let warning = "pgbus sees a long transaction holding the xmin horizon back";
+    let seen = std::sync::Mutex::new(&mut seen);
+    common::wait_for("the gauge past 1 s and the warning", WAIT, || {
+        let age = seen
+            .lock()
+            .unwrap()
+            .gauge("pgbus_oldest_transaction_age_seconds{}");
+        let warned = logs.count(warning) > 0;
+        async move { age > 1.0 && warned }
+    })
+    .await;
+    let line = logs
+        .lines()
+        .into_iter()
+        .find(|l| l.contains(warning))
+        .unwrap();
+    assert!(line.contains("long reader"), "{line}");
+    assert!(line.contains("idle in transaction"), "{line}");
+
+    let status = pgbus::admin::status(&client).await.unwrap();
+    let age = status.horizon.oldest_transaction_age.unwrap();
+    assert!(age > 1.0, "{:?}", status.horizon);
+    let held_by = status.horizon.oldest_transaction.as_deref().unwrap();
+    assert!(held_by.contains("long reader"), "{held_by}");
+
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    common::wait_for("the horizon to be released", WAIT, || async {
+        let horizon = pgbus::admin::xmin_horizon(&client).await.unwrap();
+        !horizon
+            .oldest_transaction
+            .is_some_and(|t| t.contains("long reader"))
+    })
+    .await;
+    running.shutdown().await.unwrap();
+    assert_eq!(logs.count(warning), 1, "rate-limited: one a minute");
 }
 
 /// The gauges' statement reads indexes only, never every delivery, whatever the backlog.

@@ -93,9 +93,11 @@ async fn the_pattern_index_matches_exactly_what_pattern_matches_says() {
 async fn the_index_follows_every_change_of_a_subscription() {
     let db = common::test_db().await;
     let client = db.connect().await;
+    // The deliveries of a subscription once the bus has made them.
     let deliveries = |sub: &'static str| {
         let client = &client;
         async move {
+            common::fan_out(client).await;
             client
                 .query_one(
                     "SELECT count(*) FROM pgbus.deliveries WHERE subscription = $1",

@@ -16,7 +16,9 @@ async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
+/// The deliveries once the bus has turned what committed into deliveries.
 async fn deliveries(client: &tokio_postgres::Client) -> Vec<(String, String)> {
+    common::fan_out(client).await;
     client
         .query(
             "SELECT d.subscription, e.event_name FROM pgbus.deliveries d \
@@ -79,7 +81,7 @@ async fn rolled_back_publish_leaves_nothing() {
 
     assert_eq!(count(&client, "SELECT count(*) FROM pgbus.events").await, 0);
     assert_eq!(
-        count(&client, "SELECT count(*) FROM pgbus.deliveries").await,
+        common::count_after_fan_out(&client, "SELECT count(*) FROM pgbus.deliveries").await,
         0
     );
 }
@@ -142,6 +144,7 @@ async fn delayed_events_are_not_due_before_their_time() {
     )
     .await
     .unwrap();
+    common::fan_out(&client).await;
     let due: Vec<String> = client
         .query(
             "SELECT e.event_name FROM pgbus.deliveries d JOIN pgbus.events e ON e.seq = d.event_seq \
@@ -188,7 +191,7 @@ async fn publish_is_idempotent_by_id() {
     );
     assert_eq!(count(&client, "SELECT count(*) FROM pgbus.events").await, 1);
     assert_eq!(
-        count(&client, "SELECT count(*) FROM pgbus.deliveries").await,
+        common::count_after_fan_out(&client, "SELECT count(*) FROM pgbus.deliveries").await,
         1
     );
 }
@@ -332,7 +335,7 @@ async fn a_batch_of_a_thousand_is_one_statement_and_fans_out() {
         1000
     );
     assert_eq!(
-        count(
+        common::count_after_fan_out(
             &client,
             "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'orders'"
         )
@@ -340,7 +343,7 @@ async fn a_batch_of_a_thousand_is_one_statement_and_fans_out() {
         500
     );
     assert_eq!(
-        count(
+        common::count_after_fan_out(
             &client,
             "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'users'"
         )
@@ -566,7 +569,7 @@ async fn bad_input_is_refused_with_a_typed_error_and_writes_nothing() {
 
     assert_eq!(count(&client, "SELECT count(*) FROM pgbus.events").await, 0);
     assert_eq!(
-        count(&client, "SELECT count(*) FROM pgbus.deliveries").await,
+        common::count_after_fan_out(&client, "SELECT count(*) FROM pgbus.deliveries").await,
         0
     );
     assert_eq!(
@@ -612,7 +615,7 @@ async fn publish_works_through_a_pooled_connection_and_its_transaction() {
         .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(
-        count(&obj, "SELECT count(*) FROM pgbus.deliveries").await,
+        common::count_after_fan_out(&obj, "SELECT count(*) FROM pgbus.deliveries").await,
         2
     );
 }

@@ -24,6 +24,7 @@ async fn connect(db: &common::TestDb) -> Client {
 /// Claims a key's head and settles it as a permanent failure through `pgbus.settle`, as
 /// a bus does: under `DeadHeadPolicy::Block` it stays the head, dead.
 async fn kill_head(client: &Client, key: &str) -> i64 {
+    common::fan_out(client).await;
     let seq: i64 = client
         .query_one(
             "UPDATE pgbus.deliveries SET status = 'processing', attempts = attempts + 1,
@@ -61,9 +62,10 @@ async fn publish(client: &Client, key: &str) {
 }
 
 /// Key "a"'s head dies after the purge has read the dead heads (it is held up on key
-/// "b"'s lock) and before it deletes; a publisher of key "a" files its event behind the
+/// "b"'s lock) and before it deletes; a batch files a new event of key "a" behind the
 /// dead head and commits after the purge's delete. The key must end with that event as
-/// its head. With migration 5's purge it ended with no head.
+/// its head. With migration 5's purge it ended with no head. (When publishers wrote the
+/// deliveries, the publisher's transaction was the batch.)
 #[tokio::test]
 async fn a_head_that_dies_during_a_purge_keeps_its_key_whole() {
     let db = common::test_db().await;
@@ -105,12 +107,13 @@ async fn a_head_that_dies_during_a_purge_keeps_its_key_whole() {
     })
     .await;
 
-    // Now key "a"'s head dies, and a publisher of "a" files its event behind it.
+    // Now key "a"'s head dies, and a batch files a new event of "a" behind it.
     let dead_a = kill_head(&client, "a").await;
+    publish(&client, "a").await;
     let mut publisher = connect(&db).await;
     let blocked_by_publisher = blocked_by(backend_pid(&publisher).await);
     let tx = publisher.transaction().await.unwrap();
-    pgbus::publish(&tx, &Event::new("t.e", json!({})).ordering_key("a"))
+    tx.execute("SELECT pgbus.fan_out_committed()", &[])
         .await
         .unwrap();
     let follower: i64 = tx

@@ -7,10 +7,10 @@
 //! would, and a probe checks that a notice outside `migrate` is logged.
 
 mod common;
-#[path = "shared/log_buffer.rs"]
-mod log_buffer;
+#[path = "shared/logs.rs"]
+mod logs;
 
-use log_buffer::LogBuffer;
+use logs::LogBuffer;
 
 /// The lines that carry a server's notice: tokio-postgres logs `NOTICE: <message>`
 /// (through `log`), sqlx under the target `sqlx::postgres::notice`.

@@ -266,7 +266,7 @@ async fn publisher_and_consumer_roles_need_only_their_grants() {
         );
     }
     common::wait_for("every delivery to be settled", WAIT, || async {
-        count(&admin, "SELECT count(*) FROM pgbus.deliveries").await == 0
+        count(&admin, common::WORK_LEFT).await == 0
     })
     .await;
     assert_eq!(
@@ -460,7 +460,7 @@ async fn every_owner_rights_function_pins_pg_temp_last() {
         .await
         .unwrap();
     let names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
-    for expected in ["pgbus.fan_out()", "pgbus.notify_at_commit()"] {
+    for expected in ["pgbus.fan_out_committed()", "pgbus.notify_at_commit()"] {
         assert!(names.iter().any(|n| n == expected), "{names:?}");
     }
     assert!(
@@ -532,13 +532,14 @@ async fn a_publisher_cannot_run_code_with_the_owners_rights_through_pg_temp() {
         !h.is_superuser(&me).await,
         "the publisher became a superuser"
     );
-    let deliveries = count(&h.admin, "SELECT count(*) FROM pgbus.deliveries").await;
+    let deliveries =
+        common::count_after_fan_out(&h.admin, "SELECT count(*) FROM pgbus.deliveries").await;
     assert_eq!(deliveries, 4);
 
     // The same with the search_path of earlier versions (pg_temp implicitly first).
     h.admin
         .batch_execute(
-            "ALTER FUNCTION pgbus.fan_out() SET search_path = pg_catalog, pgbus;
+            "ALTER FUNCTION pgbus.order_key() SET search_path = pg_catalog, pgbus;
              ALTER FUNCTION pgbus.notify_at_commit() SET search_path = pg_catalog, pgbus;",
         )
         .await
@@ -579,6 +580,7 @@ async fn a_consumer_cannot_run_code_with_the_owners_rights_through_the_sweep() {
         ))
         .await
         .unwrap();
+    common::fan_out(&h.admin).await;
     let swept = pgbus::admin::sweep(&h.consumer, Duration::from_secs(60), 10)
         .await
         .unwrap();
@@ -650,6 +652,7 @@ async fn grants_are_column_level_and_refusals_change_nothing() {
         )
         .await
         .unwrap();
+    common::fan_out(&h.admin).await;
     let swept = pgbus::admin::sweep(&h.consumer, Duration::from_millis(1), 100)
         .await
         .unwrap();
@@ -698,7 +701,7 @@ async fn no_setting_turns_the_key_locks_off() {
     h.publisher.batch_execute("ROLLBACK").await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(
-        count(
+        common::count_after_fan_out(
             &h.admin,
             "SELECT count(*) FROM pgbus.deliveries WHERE is_head"
         )
@@ -899,8 +902,14 @@ async fn dead_letters_and_blocked_keys(admin: &Client) {
              SELECT pgbus.publish('o.x', '{}', id => 'o3', ordering_key => 'k2');
              SELECT pgbus.publish('o.x', '{}', id => 'o4', ordering_key => 'k2');
              SELECT pgbus.publish('u.x', '{}', id => 'u1');
-             SELECT pgbus.publish('u.x', '{}', id => 'u2');
-             UPDATE pgbus.deliveries SET status = 'dead', attempts = 5, last_error = 'boom'
+             SELECT pgbus.publish('u.x', '{}', id => 'u2');",
+        )
+        .await
+        .unwrap();
+    common::fan_out(admin).await;
+    admin
+        .batch_execute(
+            "UPDATE pgbus.deliveries SET status = 'dead', attempts = 5, last_error = 'boom'
              WHERE subscription = 'u' OR is_head;",
         )
         .await

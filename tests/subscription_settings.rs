@@ -49,6 +49,7 @@ async fn a_consumer_that_sets_nothing_follows_the_stored_settings() {
         .await
         .unwrap();
     }
+    common::fan_out(&client).await;
     assert_eq!(
         count(
             &client,
@@ -129,6 +130,7 @@ async fn reconfigure_changes_the_settings_for_everyone_and_converts_the_backlog(
         .await
         .unwrap();
     }
+    common::fan_out(&client).await;
     let heads = "SELECT count(*) FROM pgbus.deliveries WHERE is_head";
     assert_eq!(count(&client, heads).await, 1);
 
@@ -188,6 +190,7 @@ async fn turning_ordering_on_gives_each_key_one_head_in_event_order() {
         .await
         .unwrap();
     }
+    common::fan_out(&client).await;
     pgbus::publish(&client, &Event::new("x", json!({"unkeyed": true})))
         .await
         .unwrap();

@@ -94,6 +94,7 @@ async fn only_one_sweep_runs_at_a_time() {
         )
         .await
         .unwrap();
+    common::fan_out(&client).await;
     // Another sweep is in its transaction: this one deletes nothing and says so.
     let tx = holder.transaction().await.unwrap();
     let held = pgbus::admin::sweep_batch(&tx, Duration::from_secs(60), 2)
@@ -131,8 +132,14 @@ async fn the_sweep_keeps_every_event_a_delivery_still_refers_to() {
             "INSERT INTO pgbus.events (id, event_name, created_at) \
              SELECT id, 'x.y', now() - interval '2 days' \
              FROM unnest('{done,pending,processing,dead,orphan}'::text[]) AS id; \
-             INSERT INTO pgbus.events (id, event_name) VALUES ('young', 'x.y');
-             -- Every event has a delivery for a, b and c; leave one of each kind.
+             INSERT INTO pgbus.events (id, event_name) VALUES ('young', 'x.y');",
+        )
+        .await
+        .unwrap();
+    common::fan_out(&client).await;
+    client
+        .batch_execute(
+            "-- Every event has a delivery for a, b and c; leave one of each kind.
              DELETE FROM pgbus.deliveries AS d USING pgbus.events AS e
              WHERE e.seq = d.event_seq
                AND (e.id = 'done' OR (e.id <> 'young' AND d.subscription <> 'b'));

@@ -619,18 +619,23 @@ async fn status_counts_each_subscription_and_watch_refreshes() {
     let client = db.connect().await;
     register(&client, "s1", &["st.*"]).await;
     register(&client, "s2", &["other.*"]).await;
+    // The deliveries a running bus would have made: one claimed, one dead, one done.
+    proc::with_deliveries(
+        &client,
+        "SELECT pgbus.publish('st.a', id => 'a'); SELECT pgbus.publish('st.b', id => 'b'); \
+         SELECT pgbus.publish('st.c', id => 'c'); SELECT pgbus.publish('st.d', id => 'd');",
+        "UPDATE pgbus.deliveries SET status = 'processing', attempts = 1, locked_by = 'w', \
+                locked_until = now() + interval '1 minute' \
+          WHERE event_seq = (SELECT seq FROM pgbus.events WHERE id = 'b'); \
+         UPDATE pgbus.deliveries SET status = 'dead', attempts = 25 \
+          WHERE event_seq = (SELECT seq FROM pgbus.events WHERE id = 'c'); \
+         DELETE FROM pgbus.deliveries \
+          WHERE event_seq = (SELECT seq FROM pgbus.events WHERE id = 'd');",
+    )
+    .await;
+    // Committed, not yet turned into deliveries (no bus runs): not done.
     client
-        .batch_execute(
-            "SELECT pgbus.publish('st.a', id => 'a'); SELECT pgbus.publish('st.b', id => 'b'); \
-             SELECT pgbus.publish('st.c', id => 'c'); SELECT pgbus.publish('st.d', id => 'd'); \
-             UPDATE pgbus.deliveries SET status = 'processing', attempts = 1, locked_by = 'w', \
-                    locked_until = now() + interval '1 minute' \
-              WHERE event_seq = (SELECT seq FROM pgbus.events WHERE id = 'b'); \
-             UPDATE pgbus.deliveries SET status = 'dead', attempts = 25 \
-              WHERE event_seq = (SELECT seq FROM pgbus.events WHERE id = 'c'); \
-             DELETE FROM pgbus.deliveries \
-              WHERE event_seq = (SELECT seq FROM pgbus.events WHERE id = 'd');",
-        )
+        .batch_execute("SELECT pgbus.publish('st.e', id => 'e')")
         .await
         .unwrap();
     let out = run(pgbus_on(&db), &["status", "--json"]).await.ok();
@@ -642,6 +647,7 @@ async fn status_counts_each_subscription_and_watch_refreshes() {
     assert_eq!(s1["processing"], 1);
     assert_eq!(s1["dead"], 1);
     assert_eq!(s1["done_last_minute"], 1);
+    assert_eq!(s1["done_last_minute_estimated"], false);
     assert!(s1["lag_seconds"].as_f64().unwrap() >= 0.0);
     let s2 = &status["subscriptions"][1];
     assert_eq!(s2["name"], "s2");
@@ -649,11 +655,14 @@ async fn status_counts_each_subscription_and_watch_refreshes() {
     assert!(s2["lag_seconds"].is_null());
     assert!(status["notification_queue_usage"].as_f64().unwrap() < 0.5);
     assert_eq!(status["listeners"], 0);
+    assert_eq!(status["oldest_transaction_long"], false);
+    assert!(status.get("oldest_transaction_age_seconds").is_some());
 
     let out = run(pgbus_on(&db), &["status"]).await.ok();
     let text = out.stdout;
     assert!(text.starts_with("SUBSCRIPTION"), "{text}");
     assert!(text.contains("notification queue"), "{text}");
+    assert!(text.contains("xmin horizon"), "{text}");
     let out = run(pgbus_on(&db), &["status", "-s", "s2", "--json"])
         .await
         .ok();
@@ -702,8 +711,9 @@ async fn replay_creates_deliveries_for_past_events_once() {
         .await
         .unwrap();
     register(&client, "late", &["rp.*"]).await;
+    // The batch that takes the events gives none to a subscription created after them.
     assert_eq!(
-        count(&client, "SELECT count(*) FROM pgbus.deliveries").await,
+        common::count_after_fan_out(&client, "SELECT count(*) FROM pgbus.deliveries").await,
         0
     );
 
@@ -784,17 +794,16 @@ async fn subscriptions_are_listed_and_dropped_only_when_idle_unless_forced() {
     let client = db.connect().await;
     register(&client, "keep", &["k.*"]).await;
     register(&client, "gone", &["g.*", "k.*"]).await;
-    client
-        .batch_execute(
-            "SELECT pgbus.publish('g.one'); SELECT pgbus.publish('k.one'); \
-             UPDATE pgbus.deliveries SET status = 'processing', attempts = 1, locked_by = 'w', \
-                    locked_until = now() + interval '1 minute' \
-              WHERE subscription = 'gone' AND event_seq = (SELECT min(event_seq) FROM pgbus.deliveries); \
-             INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error) \
-             SELECT 'gone', max(event_seq), 1, 'x' FROM pgbus.deliveries;",
-        )
-        .await
-        .unwrap();
+    proc::with_deliveries(
+        &client,
+        "SELECT pgbus.publish('g.one'); SELECT pgbus.publish('k.one');",
+        "UPDATE pgbus.deliveries SET status = 'processing', attempts = 1, locked_by = 'w', \
+                locked_until = now() + interval '1 minute' \
+          WHERE subscription = 'gone' AND event_seq = (SELECT min(event_seq) FROM pgbus.deliveries); \
+         INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error) \
+         SELECT 'gone', max(event_seq), 1, 'x' FROM pgbus.deliveries;",
+    )
+    .await;
     let out = run(pgbus_on(&db), &["subscriptions", "list", "--json"])
         .await
         .ok();
@@ -857,20 +866,20 @@ async fn sweep_deletes_old_events_that_no_delivery_needs() {
     let db = common::test_db().await;
     let client = db.connect().await;
     register(&client, "sw", &["sw.*"]).await;
-    client
-        .batch_execute(
-            "INSERT INTO pgbus.events (id, event_name, created_at) VALUES \
-               ('old-pending', 'sw.pending', now() - interval '10 days'), \
-               ('old-done', 'sw.done', now() - interval '10 days'), \
-               ('old-unmatched', 'zz.none', now() - interval '9 days'), \
-               ('new-unmatched', 'zz.new', now()); \
-             INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error) \
-             SELECT 'sw', seq, 1, 'x' FROM pgbus.events WHERE id IN ('old-done', 'old-pending'); \
-             DELETE FROM pgbus.deliveries \
-              WHERE event_seq = (SELECT seq FROM pgbus.events WHERE id = 'old-done');",
-        )
-        .await
-        .unwrap();
+    // With the deliveries the bus's next claim would make (the sweep keeps events before).
+    proc::with_deliveries(
+        &client,
+        "INSERT INTO pgbus.events (id, event_name, created_at) VALUES \
+           ('old-pending', 'sw.pending', now() - interval '10 days'), \
+           ('old-done', 'sw.done', now() - interval '10 days'), \
+           ('old-unmatched', 'zz.none', now() - interval '9 days'), \
+           ('new-unmatched', 'zz.new', now());",
+        "INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error) \
+         SELECT 'sw', seq, 1, 'x' FROM pgbus.events WHERE id IN ('old-done', 'old-pending'); \
+         DELETE FROM pgbus.deliveries \
+          WHERE event_seq = (SELECT seq FROM pgbus.events WHERE id = 'old-done');",
+    )
+    .await;
     let out = run(pgbus_on(&db), &["sweep", "--retention", "7d", "--json"])
         .await
         .ok();
@@ -1034,6 +1043,7 @@ async fn dead_list_pages_and_escapes_what_a_terminal_would_interpret() {
         .await
         .unwrap();
     }
+    common::fan_out(&client).await;
     client
         .batch_execute(
             "UPDATE pgbus.deliveries SET status = 'dead', attempts = 1,

@@ -119,12 +119,16 @@ async fn wait_messages(js: &jetstream::Context, stream: &str, n: u64) {
     .await;
 }
 
-/// Waits until every delivery of `subscription` is acknowledged (forwarded).
+/// Waits until the forwarder has turned every committed event into deliveries and every
+/// delivery of `subscription` is acknowledged (forwarded).
 async fn wait_forwarded(client: &tokio_postgres::Client, subscription: &str) {
     common::wait_count(
         client,
         &format!("every delivery of {subscription} forwarded"),
-        &format!("SELECT count(*) FROM pgbus.deliveries WHERE subscription = '{subscription}'"),
+        &format!(
+            "SELECT (SELECT count(*) FROM pgbus.deliveries WHERE subscription = '{subscription}') \
+             + (SELECT events FROM pgbus.not_fanned_out(NULL))"
+        ),
         0,
     )
     .await;

@@ -241,6 +241,8 @@ async fn the_metrics_command_serves_every_subscriptions_backlog() {
         .collect();
     events.push(Event::new("w.later", json!({})).delay(std::time::Duration::from_secs(3600)));
     pgbus::publish_batch(&client, &events).await.unwrap();
+    // The deliveries a running bus would have made, due for 90 seconds.
+    common::fan_out(&client).await;
     client
         .batch_execute(
             "UPDATE pgbus.deliveries SET available_at = now() - interval '90 seconds' \
@@ -278,6 +280,23 @@ async fn the_metrics_command_serves_every_subscriptions_backlog() {
     )
     .unwrap();
     assert!((90.0..120.0).contains(&age), "oldest due age {age}");
+    // Sampled with them: what holds the xmin horizon back (nothing here, 0).
+    assert_eq!(
+        types
+            .get("pgbus_oldest_transaction_age_seconds")
+            .map(String::as_str),
+        Some("gauge")
+    );
+    assert!(value(&samples, "pgbus_oldest_transaction_age_seconds", &[]).is_some());
+    // And the events not yet turned into deliveries.
+    for gauge in ["pgbus_fan_out_backlog", "pgbus_fan_out_oldest_age_seconds"] {
+        assert_eq!(
+            types.get(gauge).map(String::as_str),
+            Some("gauge"),
+            "{gauge}"
+        );
+        assert!(value(&samples, gauge, &[]).is_some(), "{gauge}");
+    }
     assert_eq!(
         value(
             &samples,

@@ -43,9 +43,13 @@ async fn consumer_and_a_dead_letter(db: &common::TestDb, admin: &tokio_postgres:
     admin
         .batch_execute(
             "INSERT INTO pgbus.subscriptions (name, patterns, ordered) VALUES ('s', '{*}', true);
-             SELECT pgbus.publish('a.b', '{}', id => 'e1', ordering_key => 'k');
-             UPDATE pgbus.deliveries SET status = 'dead', attempts = 3;",
+             SELECT pgbus.publish('a.b', '{}', id => 'e1', ordering_key => 'k');",
         )
+        .await
+        .unwrap();
+    common::fan_out(admin).await;
+    admin
+        .batch_execute("UPDATE pgbus.deliveries SET status = 'dead', attempts = 3")
         .await
         .unwrap();
     roles

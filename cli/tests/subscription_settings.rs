@@ -62,6 +62,9 @@ async fn the_command_line_joins_refuses_and_sets() {
 
 /// `subscriptions set` waits for a transaction left open at most `--wait`, then fails
 /// (exit 1) naming its session and changing nothing; once it ends, the same command works.
+/// The open transaction publishes a keyed event of an ordered subscription: that is what
+/// holds the configuration gate until the commit (`pgbus.order_key`; an unkeyed publish
+/// takes nothing a settings change waits for).
 #[tokio::test]
 async fn set_gives_up_after_its_wait_naming_the_open_session() {
     let db = common::test_db().await;
@@ -71,7 +74,7 @@ async fn set_gives_up_after_its_wait_naming_the_open_session() {
     let tx = open.transaction().await.unwrap();
     pgbus::publish(
         &tx,
-        &pgbus::Event::new("order.placed", serde_json::json!({})),
+        &pgbus::Event::new("order.placed", serde_json::json!({})).ordering_key("order:1"),
     )
     .await
     .unwrap();
@@ -98,4 +101,13 @@ async fn set_gives_up_after_its_wait_naming_the_open_session() {
     tx.commit().await.unwrap();
     run(pgbus_on(&db), &set).await.ok();
     assert_eq!(stored(&client).await.max_attempts, 4);
+    // The change cut a batch first: the committed event has its delivery.
+    assert_eq!(
+        common::count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'ship'"
+        )
+        .await,
+        1
+    );
 }

@@ -562,6 +562,7 @@ async fn what_events_carry_is_shown_as_text_and_never_runs() {
     .aggregate("<i>t</i>", "1");
     let id = event.id.clone();
     pgbus::publish(&client, &event).await.unwrap();
+    common::fan_out(&client).await;
     let error = "<img src=x onerror=window.__xss=6>";
     client
         .execute(
@@ -695,6 +696,40 @@ async fn what_events_carry_is_shown_as_text_and_never_runs() {
         "the search's page"
     );
     browser.close().await.unwrap();
+}
+
+/// The overview counts the events committed and not yet turned into deliveries (no bus
+/// runs here, so none is), apart from every subscription's counts; once a batch is cut,
+/// they are the subscription's due deliveries.
+#[tokio::test]
+async fn the_overview_counts_events_not_yet_turned_into_deliveries() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    pgbus::admin::register_subscription(&client, "audit", &["audit.*"], 25)
+        .await
+        .unwrap();
+    for user in 0..2 {
+        pgbus::publish(&client, &Event::new("audit.login", json!({ "user": user })))
+            .await
+            .unwrap();
+    }
+    let ui = Ui::start(&db, &[], &[]).await;
+    let overview = || async {
+        let answer = http(ui.addr, "GET", "/api/overview", &[], "").await;
+        assert_eq!(answer.status, 200, "{answer:?}");
+        serde_json::from_str::<Value>(&answer.body).unwrap()
+    };
+    common::wait_for("the overview to count the two events", WAIT, || async {
+        let o = overview().await;
+        o["not_fanned_out"] == 2 && o["subscriptions"][0]["due"] == 0
+    })
+    .await;
+    common::fan_out(&client).await;
+    common::wait_for("the overview to show them as due", WAIT, || async {
+        let o = overview().await;
+        o["not_fanned_out"] == 0 && o["subscriptions"][0]["due"] == 2
+    })
+    .await;
 }
 
 #[tokio::test]

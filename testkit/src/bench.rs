@@ -189,7 +189,8 @@ impl BenchDb {
 }
 
 /// Registers subscriptions `subscriptions` for `event_name` and seeds `events` pending
-/// events of that name with plain SQL (in chunks, so each statement stays small), then
+/// events of that name with plain SQL (in chunks, so each statement stays small), turns
+/// each chunk into deliveries (`pgbus.fan_out_committed()`), then
 /// vacuums and analyzes the tables so the planner knows their size, and checkpoints
 /// (where allowed) so the seeding's dirty pages are not written during the measurement.
 ///
@@ -235,6 +236,10 @@ pub async fn seed_keyed_backlog(
                  FROM generate_series($2::int8, $3::int8) AS g",
                 &[&event_name, &(from as i64), &(to as i64), &keys],
             )
+            .await?;
+        // The chunk's deliveries, as the bus's next claim would make them.
+        client
+            .execute("SELECT pgbus.fan_out_committed()", &[])
             .await?;
         from = to + 1;
     }

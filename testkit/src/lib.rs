@@ -87,7 +87,10 @@ pub use published::{
     PublishedEvent, assert_not_published, assert_nothing_published, assert_published,
     assert_published_exactly, published,
 };
-pub use wait::{WAIT, count, wait_count, wait_for, wait_settled, within};
+pub use wait::{
+    WAIT, WORK_LEFT, count, count_after_fan_out, fan_out, wait_count, wait_for, wait_settled,
+    within,
+};
 
 /// pgbus's statements, for tests and benchmarks that run or explain them directly
 /// (`pgbus_testkit::sql::CLAIM`). Not part of pgbus's API: no semver promise.

@@ -70,11 +70,36 @@ pub async fn wait_count(client: &Client, what: &str, sql: &str, expected: i64) {
     .await;
 }
 
-/// Waits, at most [`WAIT`], until no delivery is left: every one was acknowledged.
+/// Counts the work left: deliveries, and committed events the bus has not yet turned
+/// into deliveries (`pgbus.not_fanned_out`). Makes no deliveries itself.
+pub const WORK_LEFT: &str = "SELECT (SELECT count(*) FROM pgbus.deliveries) \
+     + (SELECT events FROM pgbus.not_fanned_out(NULL))";
+
+/// Waits, at most [`WAIT`], until no work is left ([`WORK_LEFT`]): every event was
+/// turned into deliveries and every delivery acknowledged, by the bus.
 ///
 /// # Panics
 ///
 /// As [`wait_count`].
 pub async fn wait_settled(client: &Client, what: &str) {
-    wait_count(client, what, "SELECT count(*) FROM pgbus.deliveries", 0).await;
+    wait_count(client, what, WORK_LEFT, 0).await;
+}
+
+/// Turns every committed event into deliveries now, as the bus's next claim would
+/// (`pgbus.fan_out_committed()`, docs/ARCHITECTURE.md "The log-first publish"), and
+/// returns how many events it took. For tests that read `pgbus.deliveries` right after
+/// publishing, with no bus running.
+pub async fn fan_out(client: &Client) -> i64 {
+    client
+        .query_one("SELECT pgbus.fan_out_committed()", &[])
+        .await
+        .expect("pgbus.fan_out_committed()")
+        .get(0)
+}
+
+/// [`count`] after [`fan_out`]: a count over `pgbus.deliveries` as it stands once the
+/// bus has turned every committed event into deliveries.
+pub async fn count_after_fan_out(client: &Client, sql: &str) -> i64 {
+    fan_out(client).await;
+    count(client, sql).await
 }

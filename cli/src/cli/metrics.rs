@@ -116,18 +116,27 @@ pub(crate) async fn run(args: MetricsArgs, url: Option<&str>) -> Result<(), Fail
             client = match super::connect(&config).await {
                 Ok(c) => Some(c),
                 Err(f) => {
-                    tracing::warn!(error = %f.message, "pgbus metrics cannot reach the database");
+                    pgbus::warn_limited!(error = %f.message, "pgbus metrics cannot reach the database");
                     None
                 }
             };
         }
         let Some(c) = &client else { continue };
-        match pgbus::admin::backlog(c, None).await {
-            Ok(subscriptions) => subscriptions
-                .iter()
-                .for_each(pgbus::metrics::Backlog::record),
+        let sampled = async {
+            let backlog = pgbus::admin::backlog(c, None).await?;
+            let fan_out = pgbus::admin::fan_out_backlog(c).await?;
+            Ok::<_, pgbus::Error>((backlog, fan_out, pgbus::admin::xmin_horizon(c).await?))
+        };
+        match sampled.await {
+            Ok((subscriptions, fan_out, horizon)) => {
+                subscriptions
+                    .iter()
+                    .for_each(pgbus::metrics::Backlog::record);
+                fan_out.record();
+                horizon.record();
+            }
             Err(e) => {
-                tracing::warn!(error = %super::with_sources(&e), "pgbus metrics could not sample the gauges");
+                pgbus::warn_limited!(error = %super::with_sources(&e), "pgbus metrics could not sample the gauges");
                 client = None;
             }
         }

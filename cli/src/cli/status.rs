@@ -19,8 +19,10 @@ Examples:
 
 Columns: PENDING waiting (due now or retries scheduled later), DUE pending and due now,
 PROCESSING claimed by a consumer, DEAD dead letters, LAG how long the oldest due delivery
-has waited, DONE/1M events of the last minute whose delivery finished, CONSUMERS running
-consumers serving the subscription.")]
+has waited, DONE/1M events of the last minute whose delivery finished (~N: estimated from
+an even sample of a minute busier than 2,000 events), CONSUMERS running consumers serving
+the subscription. Below: the notification queue, and the oldest transaction that holds the
+xmin horizon back (a WARNING line past 5 minutes).")]
 pub(crate) struct StatusArgs {
     /// Only this subscription.
     #[arg(long, short)]
@@ -90,6 +92,7 @@ fn show(status: &Status, as_json: bool) -> String {
                     "blocked_keys": s.blocked_keys,
                     "lag_seconds": s.oldest_due_age.map(|d| d.as_secs_f64()),
                     "done_last_minute": s.done_last_minute,
+                    "done_last_minute_estimated": s.done_estimated,
                     "consumers": s.consumers,
                 })
             })
@@ -100,6 +103,12 @@ fn show(status: &Status, as_json: bool) -> String {
             "listeners": status.listeners,
             "consumers": status.consumers,
             "sleeping_consumers": status.sleeping_consumers,
+            "oldest_transaction_age_seconds": status.horizon.oldest_transaction_age,
+            "oldest_transaction": status.horizon.oldest_transaction,
+            "oldest_transaction_long": long_transaction(status),
+            "replication_slot_xmin_age": status.horizon.slot_xmin_age,
+            "not_fanned_out": status.fan_out.events,
+            "not_fanned_out_oldest_age_seconds": status.fan_out.oldest_age,
         });
         return format!("{value}\n");
     }
@@ -116,7 +125,11 @@ fn show(status: &Status, as_json: bool) -> String {
                 s.dead.to_string(),
                 s.blocked_keys.to_string(),
                 s.oldest_due_age.map_or("-".into(), human_duration),
-                s.done_last_minute.to_string(),
+                format!(
+                    "{}{}",
+                    if s.done_estimated { "~" } else { "" },
+                    s.done_last_minute
+                ),
                 s.consumers.to_string(),
             ]
         })
@@ -151,7 +164,57 @@ fn show(status: &Status, as_json: bool) -> String {
         plural(status.consumers),
         status.sleeping_consumers,
     );
+    match status.fan_out.oldest_age {
+        Some(age) if status.fan_out.events > 0 => {
+            let _ = writeln!(
+                text,
+                "{} event{} committed and not yet turned into deliveries, the oldest {} old{}",
+                status.fan_out.events,
+                plural(status.fan_out.events),
+                human_duration(Duration::from_secs_f64(age)),
+                if status.fan_out.events >= pgbus::metrics::GAUGE_COUNT_CAP {
+                    " (counted up to there)"
+                } else {
+                    ""
+                },
+            );
+        }
+        _ => {}
+    }
+    let horizon = &status.horizon;
+    match (horizon.oldest_transaction_age, &horizon.oldest_transaction) {
+        (Some(age), Some(holder)) => {
+            let _ = write!(
+                text,
+                "xmin horizon held for {} by {holder}",
+                human_duration(Duration::from_secs_f64(age))
+            );
+        }
+        _ => text.push_str("xmin horizon: no open transaction holds it"),
+    }
+    if let Some(age) = horizon.slot_xmin_age {
+        let _ = write!(
+            text,
+            "; a replication slot holds an xmin {age} transactions old"
+        );
+    }
+    text.push('\n');
+    if long_transaction(status) {
+        let _ = writeln!(
+            text,
+            "WARNING: a long transaction: VACUUM cannot remove settled deliveries until it \
+             ends, and claims slow down (end it; see the README, \"A long transaction\")"
+        );
+    }
     text
+}
+
+/// Whether the oldest transaction holding the xmin horizon is older than
+/// [`DEFAULT_LONG_TRANSACTION_WARNING`](pgbus::metrics::DEFAULT_LONG_TRANSACTION_WARNING).
+fn long_transaction(status: &Status) -> bool {
+    status
+        .horizon
+        .older_than(pgbus::metrics::DEFAULT_LONG_TRANSACTION_WARNING)
 }
 
 fn plural(n: i64) -> &'static str {

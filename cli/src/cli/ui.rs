@@ -49,8 +49,9 @@ const HISTORY_SAMPLES: usize = 300;
 /// The window over which the throughput (delivered per second) is measured.
 const THROUGHPUT_WINDOW: Duration = Duration::from_secs(10);
 
-/// The most events of the window the throughput reads (beyond, it is a lower bound).
-const THROUGHPUT_EVENTS: i64 = 10_000;
+/// The most events of the window the throughput reads, and deliveries it probes (beyond,
+/// it is estimated from an even sample of the window).
+const THROUGHPUT_EVENTS: i64 = 2_000;
 
 /// How many dead letters a subscription's page lists.
 const DEAD_LETTERS_SHOWN: i64 = 50;
@@ -205,7 +206,7 @@ impl deadpool_postgres::Connect for Opener {
                 Err(e) => {
                     // Only the driver's errors come out of a connection attempt; anything
                     // else is logged and reported as a failed connection.
-                    tracing::warn!(error = %with_sources(&e), "pgbus ui cannot connect");
+                    pgbus::warn_limited!(error = %with_sources(&e), "pgbus ui cannot connect");
                     return Err(connect_error().await);
                 }
             };
@@ -249,8 +250,9 @@ struct SubscriptionRow {
     consumers_awake: i64,
     consumers_asleep: i64,
     delivered_per_second: f64,
-    /// The throughput is a lower bound: the window held more events than were read.
-    throughput_capped: bool,
+    /// The throughput is estimated from an even sample of a window busier than
+    /// [`THROUGHPUT_EVENTS`] (shown as `~`).
+    throughput_estimated: bool,
     /// `healthy`, `behind` or `failing`.
     health: &'static str,
     /// The chart: the last minutes' samples, oldest first.
@@ -280,6 +282,14 @@ struct Overview {
     listeners: i64,
     consumers: i64,
     sleeping_consumers: i64,
+    /// Committed events not yet turned into deliveries (up to the cap): no
+    /// subscription's count includes them yet.
+    not_fanned_out: i64,
+    /// Seconds since the oldest transaction holding the xmin horizon back started.
+    oldest_transaction_age: Option<f64>,
+    /// The banner's text when that transaction is older than
+    /// [`DEFAULT_LONG_TRANSACTION_WARNING`](pgbus::metrics::DEFAULT_LONG_TRANSACTION_WARNING).
+    long_transaction: Option<String>,
     subscriptions: Vec<SubscriptionRow>,
 }
 
@@ -455,6 +465,7 @@ pub(crate) async fn run(args: UiArgs, url: Option<&str>) -> Result<(), Failure> 
         .wait_timeout(Some(Duration::from_secs(10)))
         .create_timeout(Some(Duration::from_secs(10)))
         .recycle_timeout(Some(Duration::from_secs(5)))
+        .pre_recycle(pgbus::__private::drop_closed())
         .build()
         .map_err(|e| failed(format!("error: cannot set up the connection pool: {e}")))?;
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -623,7 +634,7 @@ async fn checked(app: &App, conn: Conn, request: Request, next: Next) -> (Respon
                 None
             };
             if let Some(wait) = wait {
-                tracing::warn!(client = %conn.peer, "pgbus ui: wrong passwords, the client waits {}", human_duration(wait));
+                pgbus::warn_limited!(client = %conn.peer, "pgbus ui: wrong passwords, the client waits {}", human_duration(wait));
                 return (too_many_guesses(wait), false);
             }
             let refusal = (
@@ -782,7 +793,7 @@ async fn sample(app: &App) {
             samples.error = None;
         }
         Err(e) => {
-            tracing::warn!(error = %e.message(), "pgbus ui could not sample the overview");
+            pgbus::warn_limited!(error = %e.message(), "pgbus ui could not sample the overview");
             let mut samples = app.samples.lock().unwrap_or_else(|e| e.into_inner());
             samples.error = Some(e.message().to_string());
         }
@@ -834,7 +845,7 @@ async fn read_overview(app: &App) -> Result<Overview, UiError> {
                 consumers_awake: awake,
                 consumers_asleep: asleep,
                 delivered_per_second,
-                throughput_capped: recent.capped,
+                throughput_estimated: recent.capped,
                 health,
                 history: Vec::new(),
             }
@@ -848,14 +859,40 @@ async fn read_overview(app: &App) -> Result<Overview, UiError> {
         listeners: cluster.listeners,
         consumers: cluster.consumers,
         sleeping_consumers: cluster.sleeping_consumers,
+        not_fanned_out: cluster.fan_out.events,
+        oldest_transaction_age: cluster.horizon.oldest_transaction_age,
+        long_transaction: long_transaction(&cluster.horizon),
         subscriptions,
     })
+}
+
+/// The banner of a transaction that has held the xmin horizon back for longer than
+/// [`DEFAULT_LONG_TRANSACTION_WARNING`](pgbus::metrics::DEFAULT_LONG_TRANSACTION_WARNING).
+fn long_transaction(horizon: &pgbus::metrics::XminHorizon) -> Option<String> {
+    let age = horizon.oldest_transaction_age?;
+    horizon
+        .older_than(pgbus::metrics::DEFAULT_LONG_TRANSACTION_WARNING)
+        .then(|| {
+            format!(
+                "A transaction has held the xmin horizon back for {} ({}): VACUUM cannot \
+                 remove settled deliveries until it ends, and claims slow down.",
+                human_duration(Duration::from_secs_f64(age)),
+                horizon.oldest_transaction.as_deref().unwrap_or("unknown")
+            )
+        })
 }
 
 /// The last sample, with the last error when the latest failed.
 fn current_overview(app: &App) -> Overview {
     let samples = app.samples.lock().unwrap_or_else(|e| e.into_inner());
-    let mut overview = samples.overview.clone().unwrap_or(Overview {
+    let mut overview = samples.overview.clone().unwrap_or_else(never_sampled);
+    overview.error = samples.error.clone();
+    overview
+}
+
+/// The overview before any sample.
+fn never_sampled() -> Overview {
+    Overview {
         sampled_at: None,
         error: None,
         count_cap: pgbus::metrics::GAUGE_COUNT_CAP,
@@ -863,10 +900,11 @@ fn current_overview(app: &App) -> Overview {
         listeners: 0,
         consumers: 0,
         sleeping_consumers: 0,
+        not_fanned_out: 0,
+        oldest_transaction_age: None,
+        long_transaction: None,
         subscriptions: Vec::new(),
-    });
-    overview.error = samples.error.clone();
-    overview
+    }
 }
 
 async fn overview_page(State(app): State<Shared>) -> Response {
@@ -1133,7 +1171,7 @@ where
                     Redirect::to(&to).into_response()
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "pgbus ui: no random id for an action's outcome");
+                    pgbus::warn_limited!(error = %e, "pgbus ui: no random id for an action's outcome");
                     Redirect::to(&page).into_response()
                 }
             }
@@ -1306,6 +1344,45 @@ fn plural(n: u64) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_transaction_past_five_minutes_is_a_banner_on_the_overview() {
+        let mut horizon = pgbus::metrics::XminHorizon::default();
+        assert_eq!(long_transaction(&horizon), None, "none open");
+        horizon.oldest_transaction_age = Some(12.0);
+        horizon.oldest_transaction = Some("pid 42 (report, idle in transaction)".into());
+        assert_eq!(long_transaction(&horizon), None, "a short one");
+        horizon.oldest_transaction_age = Some(725.0);
+        let banner = long_transaction(&horizon).unwrap();
+        assert!(banner.contains("12m05s"), "{banner}");
+        assert!(
+            banner.contains("pid 42 (report, idle in transaction)"),
+            "{banner}"
+        );
+        let mut overview = Overview {
+            oldest_transaction_age: horizon.oldest_transaction_age,
+            long_transaction: Some(banner),
+            ..never_sampled()
+        };
+        // The banner's opening tag, hidden or not.
+        let tag = |page: &str| -> String {
+            let at = page
+                .find(r#"id="long-transaction""#)
+                .expect("the banner's place");
+            let start = page[..at].rfind('<').unwrap();
+            page[start..at + page[at..].find('>').unwrap()].to_string()
+        };
+        let page = pages::overview(false, &overview).into_string();
+        assert!(!tag(&page).contains("hidden"), "{page}");
+        assert!(
+            page.contains("A transaction has held the xmin horizon back"),
+            "{page}"
+        );
+        overview.long_transaction = None;
+        let page = pages::overview(false, &overview).into_string();
+        assert!(tag(&page).contains("hidden"), "{page}");
+        assert!(!page.contains("A transaction has held"), "{page}");
+    }
 
     #[test]
     fn equal_bytes_compare_equal_and_others_not() {

@@ -245,15 +245,23 @@ pub async fn signal(pid: u32, name: &str) {
 /// Publishes `p.one` (id `e1`) and `p.two` (id `e2`) and makes every delivery of them a
 /// dead letter after 3 attempts (`nope`), each with one failure record.
 pub async fn two_dead_letters(client: &tokio_postgres::Client) {
-    client
-        .batch_execute(
-            "SELECT pgbus.publish('p.one', id => 'e1'); SELECT pgbus.publish('p.two', id => 'e2'); \
-             UPDATE pgbus.deliveries SET status = 'dead', attempts = 3, last_error = 'nope'; \
-             INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error) \
-             SELECT subscription, event_seq, 3, 'nope' FROM pgbus.deliveries;",
-        )
-        .await
-        .unwrap();
+    with_deliveries(
+        client,
+        "SELECT pgbus.publish('p.one', id => 'e1'); SELECT pgbus.publish('p.two', id => 'e2');",
+        "UPDATE pgbus.deliveries SET status = 'dead', attempts = 3, last_error = 'nope'; \
+         INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error) \
+         SELECT subscription, event_seq, 3, 'nope' FROM pgbus.deliveries;",
+    )
+    .await;
+}
+
+/// Runs `write` (SQL that publishes or inserts events, committed), turns the events into
+/// deliveries as a running bus's next claim would (`fan_out`), then runs `then` (SQL that
+/// sets those deliveries up: claimed, dead, done...).
+pub async fn with_deliveries(client: &tokio_postgres::Client, write: &str, then: &str) {
+    client.batch_execute(write).await.unwrap();
+    common::fan_out(client).await;
+    client.batch_execute(then).await.unwrap();
 }
 
 /// A scratch directory of the test's own.

@@ -113,7 +113,7 @@
     tr.appendChild(el("td", { "class": "consumers" },
       sub.consumers_awake + " awake / " + sub.consumers_asleep + " asleep"));
     tr.appendChild(el("td", { "class": "rate" },
-      (sub.throughput_capped ? "≥" : "") + sub.delivered_per_second.toFixed(1)));
+      (sub.throughput_estimated ? "~" : "") + sub.delivered_per_second.toFixed(1)));
     var chart = el("td", { "class": "chart" });
     var canvas = el("canvas", { width: "240", height: "48" });
     chart.appendChild(canvas);
@@ -127,10 +127,16 @@
       .then(function (r) { return r.json(); })
       .then(function (o) {
         showError(o.error);
+        var long = document.getElementById("long-transaction");
+        if (long) {
+          long.textContent = o.long_transaction || "";
+          long.hidden = !o.long_transaction;
+        }
         document.getElementById("queue").textContent = (o.notification_queue_usage * 100).toFixed(2) + "%";
         document.getElementById("listeners").textContent = String(o.listeners);
         document.getElementById("consumers").textContent = String(o.consumers);
         document.getElementById("sleeping").textContent = String(o.sleeping_consumers);
+        document.getElementById("not-fanned-out").textContent = String(o.not_fanned_out);
         document.getElementById("sampled").textContent = o.sampled_at || "never";
         var tbody = document.querySelector("#subs tbody");
         var rows = document.createDocumentFragment();

@@ -100,7 +100,7 @@ fn subscription_row(sub: &SubscriptionRow, cap: i64) -> Markup {
             td.blocked { (count(sub.blocked_keys, cap)) }
             td.age { (age(sub.oldest_due_age)) }
             td.consumers { (sub.consumers_awake) " awake / " (sub.consumers_asleep) " asleep" }
-            td.rate { @if sub.throughput_capped { "≥" } (format!("{:.1}", sub.delivered_per_second)) }
+            td.rate { @if sub.throughput_estimated { "~" } (format!("{:.1}", sub.delivered_per_second)) }
             td.chart { canvas width="240" height="48" {} }
         }
     }
@@ -117,12 +117,16 @@ pub(super) fn overview(allow_actions: bool, overview: &Overview) -> Markup {
             div #error.banner.failing role="alert" hidden[overview.error.is_none()] {
                 @if let Some(e) = &overview.error { "The database cannot be read: " (Shown(e)) }
             }
+            div #long-transaction.banner.behind role="alert" hidden[overview.long_transaction.is_none()] {
+                @if let Some(t) = &overview.long_transaction { (Shown(t)) }
+            }
             h1 { "Subscriptions" }
             p.cluster {
                 "Notification queue: " span #queue { (format!("{:.2}%", overview.notification_queue_usage * 100.0)) }
                 " · listening backends: " span #listeners { (overview.listeners) }
                 " · consumers: " span #consumers { (overview.consumers) }
                 " (" span #sleeping { (overview.sleeping_consumers) } " asleep)"
+                " · events not yet turned into deliveries: " span #not-fanned-out { (overview.not_fanned_out) }
                 " · sampled " span #sampled {
                     @if let Some(at) = &overview.sampled_at { (time(at)) } @else { "never" }
                 }
