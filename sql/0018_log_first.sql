@@ -214,15 +214,19 @@ DROP FUNCTION IF EXISTS pgbus.fan_out();
 -- (xmax stays: every xid at or above it counts as running, listed or not).
 CREATE OR REPLACE FUNCTION pgbus.running_too(p_snap pg_catalog.pg_snapshot, p_xid pg_catalog.xid8)
 RETURNS pg_catalog.pg_snapshot
-LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pgbus, pg_temp AS $$
-    SELECT CASE
-        WHEN p_xid IS NULL OR p_xid >= pg_snapshot_xmax(p_snap) THEN p_snap
-        ELSE (least(pg_snapshot_xmin(p_snap), p_xid)::text || ':'
-              || pg_snapshot_xmax(p_snap)::text || ':'
-              || (SELECT string_agg(x::text, ',' ORDER BY x)
-                  FROM (SELECT pg_snapshot_xip(p_snap) AS x UNION SELECT p_xid) AS q)
-             )::pg_snapshot
-    END
+LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pgbus, pg_temp AS $$
+BEGIN
+    -- PL/pgSQL, not SQL: a SQL function with a subquery is planned again at every call,
+    -- and every batch calls this one.
+    IF p_xid IS NULL OR p_xid >= pg_snapshot_xmax(p_snap) THEN
+        RETURN p_snap;
+    END IF;
+    RETURN (least(pg_snapshot_xmin(p_snap), p_xid)::text || ':'
+            || pg_snapshot_xmax(p_snap)::text || ':'
+            || (SELECT string_agg(q.x::text, ',' ORDER BY q.x)
+                FROM (SELECT pg_snapshot_xip(p_snap) AS x UNION SELECT p_xid) AS q)
+           )::pg_snapshot;
+END
 $$;
 
 CREATE OR REPLACE FUNCTION pgbus.snapshot_of_others() RETURNS pg_catalog.pg_snapshot
@@ -284,12 +288,15 @@ $$;
 -- the publish locks gave. ON CONFLICT DO NOTHING: a delivery made meanwhile by a replay
 -- stays as it is.
 --
--- Plans: the first look is one step down events_xid_idx for the newest xid and one probe
--- per xid of the in-progress list, whatever the plan. The batch's statement is planned
--- for the boundary's values (EXECUTE): a generic plan of `xid >= $1` expects a third of
--- the log and scans all of it.
+-- Plans: generic, built once per session (planning the pattern match for its values
+-- cost more than a whole small batch), and O(batch) as such: the first look is one step
+-- down events_xid_idx for the newest xid and one probe per xid of the in-progress list;
+-- the batch's range is bounded on both sides (from the old boundary's xmax to the new
+-- snapshot's), which a generic plan reads through events_xid_idx where `xid >= $1`
+-- alone would be planned as a third of the log.
 CREATE OR REPLACE FUNCTION pgbus.fan_out_committed() RETURNS bigint
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp SET jit = off AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp SET jit = off
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_prev pg_snapshot;
     v_cur pg_snapshot;
@@ -300,7 +307,9 @@ DECLARE
     v_lock_timeout text;
     v_own xid8;
 BEGIN
-    PERFORM pgbus.require_read_committed('pgbus.fan_out_committed');
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM pgbus.require_read_committed('pgbus.fan_out_committed');
+    END IF;
     SELECT c.boundary INTO v_prev FROM pgbus.fan_out_cursor AS c;
     IF coalesce((SELECT e.xid FROM pgbus.events AS e WHERE e.xid IS NOT NULL
                  ORDER BY e.xid DESC LIMIT 1) < pg_snapshot_xmax(v_prev), true)
@@ -309,25 +318,32 @@ BEGIN
         RETURN 0;
     END IF;
 
-    v_lock_timeout := current_setting('lock_timeout');
-    BEGIN
-        PERFORM set_config('lock_timeout', '2s', true);
-        PERFORM pgbus.lock_config(false);
-        PERFORM 1 FROM pgbus.fan_out_cursor FOR UPDATE;
-        PERFORM set_config('lock_timeout', v_lock_timeout, true);
-    EXCEPTION WHEN lock_not_available THEN
-        PERFORM set_config('lock_timeout', v_lock_timeout, true);
-        RETURN 0;
-    END;
+    PERFORM pgbus.lock_config(false);
+    -- The cursor's lock: at once when nobody is cutting (no subtransaction on the way
+    -- of every claim); otherwise waiting at most 2 s for the cutter to commit.
+    PERFORM 1 FROM pgbus.fan_out_cursor FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        v_lock_timeout := current_setting('lock_timeout');
+        BEGIN
+            PERFORM set_config('lock_timeout', '2s', true);
+            PERFORM 1 FROM pgbus.fan_out_cursor FOR UPDATE;
+            PERFORM set_config('lock_timeout', v_lock_timeout, true);
+        EXCEPTION WHEN lock_not_available THEN
+            PERFORM set_config('lock_timeout', v_lock_timeout, true);
+            RETURN 0;
+        END;
+    END IF;
 
     SELECT c.boundary INTO v_prev FROM pgbus.fan_out_cursor AS c;
-    EXECUTE 'SELECT pg_catalog.pg_current_snapshot(),
-                    ARRAY(SELECT e.seq FROM pgbus.events AS e WHERE e.xid >= $1
-                          UNION ALL
-                          SELECT e.seq FROM pg_catalog.pg_snapshot_xip($2) AS x(xid)
-                          CROSS JOIN LATERAL (SELECT e.seq FROM pgbus.events AS e
-                                              WHERE e.xid = x.xid) AS e)'
-      INTO v_cur, v_seqs USING pg_snapshot_xmax(v_prev), v_prev;
+    SELECT pg_current_snapshot(),
+           ARRAY(SELECT e.seq FROM pgbus.events AS e
+                 WHERE e.xid >= pg_snapshot_xmax(v_prev)
+                   AND e.xid < pg_snapshot_xmax(pg_current_snapshot())
+                 UNION ALL
+                 SELECT e.seq FROM pg_snapshot_xip(v_prev) AS x(xid)
+                 CROSS JOIN LATERAL (SELECT e.seq FROM pgbus.events AS e
+                                     WHERE e.xid = x.xid) AS e)
+      INTO v_cur, v_seqs;
     -- A cut inside a transaction that has written already (a settings change in the
     -- caller's transaction, say): the snapshot counts that transaction as finished, so
     -- its own events, earlier or later, would be passed without deliveries. They are
@@ -354,6 +370,11 @@ BEGIN
                AND pgbus.event_key(e.ordering_key, e.aggregate_type, e.aggregate_id) IS NOT NULL)
     ON CONFLICT (subscription, event_seq) DO NOTHING;
 
+    -- The ordered subscriptions' deliveries (none to look for when none is ordered).
+    IF NOT EXISTS (SELECT 1 FROM pgbus.subscriptions AS s WHERE s.ordered) THEN
+        UPDATE pgbus.fan_out_cursor SET boundary = v_cur, cut_at = now();
+        RETURN cardinality(v_seqs);
+    END IF;
     SELECT array_agg(k.sub), array_agg(k.key) INTO v_subs, v_keys
     FROM (SELECT DISTINCT m.subscription AS sub,
                  pgbus.event_key(e.ordering_key, e.aggregate_type, e.aggregate_id) AS key
