@@ -125,6 +125,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "bounded_status",
         sql: include_str!("../sql/0019_bounded_status.sql"),
     },
+    Migration {
+        version: 20,
+        name: "ordered_creation_gate",
+        sql: include_str!("../sql/0020_ordered_creation_gate.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

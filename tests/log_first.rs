@@ -42,6 +42,21 @@ async fn deliveries_of(client: &Client, id: &str) -> i64 {
         .get(0)
 }
 
+/// The event ids of a subscription's deliveries, in the order its keys hand them over.
+async fn handing_order(client: &Client, subscription: &str) -> Vec<String> {
+    client
+        .query(
+            "SELECT e.id FROM pgbus.deliveries AS d JOIN pgbus.events AS e ON e.seq = d.event_seq \
+             WHERE d.subscription = $1 ORDER BY d.key_pos, d.event_seq",
+            &[&subscription],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 async fn subscribe(client: &Client, name: &str, ordered: bool) {
     client
         .execute(
@@ -241,17 +256,7 @@ async fn publishers_in_repeatable_read_and_serializable_keep_commit_order() {
         tb.commit().await.unwrap();
     }
     cut(&client).await;
-    let order: Vec<String> = client
-        .query(
-            "SELECT e.id FROM pgbus.deliveries AS d JOIN pgbus.events AS e ON e.seq = d.event_seq \
-             WHERE d.subscription = 'o' ORDER BY d.key_pos, d.event_seq",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let order = handing_order(&client, "o").await;
     assert_eq!(order, ["first0", "second0", "first1", "second1"]);
 }
 
@@ -409,6 +414,63 @@ async fn a_subscription_created_later_sees_only_later_events() {
     assert_eq!(
         pairs,
         [("early", "after"), ("early", "before"), ("late", "after")]
+    );
+}
+
+/// An ordered subscription created while a publisher is between two events of one key:
+/// the creation waits for the publisher's commit (`sql/0020_ordered_creation_gate.sql`),
+/// so the new subscription gets none of that transaction's events, and never in reverse.
+/// Without the wait, the first event had no key position and the second had one, and the
+/// batch handed the second over first.
+#[tokio::test]
+async fn an_ordered_subscription_created_mid_transaction_never_inverts_a_key() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut publisher = db.connect().await;
+    let creator = db.connect().await;
+    let keyed = "INSERT INTO pgbus.events (id, event_name, ordering_key) VALUES ($1, 'a.b', 'k')";
+    let tx = publisher.transaction().await.unwrap();
+    tx.execute(keyed, &[&"e1"]).await.unwrap();
+    let create = tokio::spawn(async move {
+        creator
+            .query_one(
+                "SELECT pgbus.join_subscription('o', '{*}', 25, true, 'block')",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    });
+    common::wait_for(
+        "the creation to wait for the publisher, or to end",
+        WAIT,
+        || async {
+            create.is_finished()
+                || count(
+                    &client,
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE wait_event_type = 'Lock' AND query LIKE '%join_subscription%'",
+                )
+                .await
+                    == 1
+        },
+    )
+    .await;
+    let waited = !create.is_finished();
+    tx.execute(keyed, &[&"e2"]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(create.await.unwrap(), "the subscription is created");
+    client.execute(keyed, &[&"e3"]).await.unwrap();
+    cut(&client).await;
+    let order = handing_order(&client, "o").await;
+    assert_eq!(
+        order,
+        ["e3"],
+        "the key's events, in the order the new subscription gets them"
+    );
+    assert!(
+        waited,
+        "the creation waited for the keyed publisher under way"
     );
 }
 
