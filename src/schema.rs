@@ -130,6 +130,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "ordered_creation_gate",
         sql: include_str!("../sql/0020_ordered_creation_gate.sql"),
     },
+    Migration {
+        version: 21,
+        name: "append_only_boundary",
+        sql: include_str!("../sql/0021_append_only_boundary.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

@@ -111,9 +111,9 @@ async fn open_transaction_scenario(sabotage: bool) -> OpenOutcome {
         // every transaction so far finished.
         client
             .batch_execute(
-                "UPDATE pgbus.fan_out_cursor SET boundary = \
-                   (pg_snapshot_xmax(pg_current_snapshot())::text || ':' || \
-                    pg_snapshot_xmax(pg_current_snapshot())::text || ':')::pg_snapshot",
+                "INSERT INTO pgbus.fan_out_ticks (boundary) VALUES \
+                   ((pg_snapshot_xmax(pg_current_snapshot())::text || ':' || \
+                     pg_snapshot_xmax(pg_current_snapshot())::text || ':')::pg_snapshot)",
             )
             .await
             .unwrap();
@@ -471,6 +471,55 @@ async fn an_ordered_subscription_created_mid_transaction_never_inverts_a_key() {
     assert!(
         waited,
         "the creation waited for the keyed publisher under way"
+    );
+}
+
+/// Behind a transaction held open elsewhere (the xmin horizon held back), 2,000 batches
+/// later the boundary is still read in a few pages: it is appended, never updated
+/// (`sql/0021_append_only_boundary.sql`), so its newest entry is live however many old
+/// ones wait for the horizon, and old ticks are deleted as batches go. Kept in one row
+/// updated by every batch (migration 18), the read walked every version: 17 pages here.
+#[tokio::test]
+async fn the_boundary_stays_a_few_pages_behind_an_open_transaction() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut holder = db.connect().await;
+    subscribe(&client, "s", false).await;
+    let held = holder.transaction().await.unwrap();
+    held.query_one("SELECT pg_current_xact_id()", &[])
+        .await
+        .unwrap();
+    client
+        .batch_execute(
+            "DO $$ BEGIN FOR i IN 1..2000 LOOP \
+               INSERT INTO pgbus.events (id, event_name) VALUES ('h' || i, 'a.b'); COMMIT; \
+               PERFORM pgbus.fan_out_committed(); COMMIT; \
+             END LOOP; END $$",
+        )
+        .await
+        .unwrap();
+    let plan: serde_json::Value = client
+        .query_one(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT boundary FROM pgbus.fan_out_cursor",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let top = &plan[0]["Plan"];
+    let pages =
+        top["Shared Hit Blocks"].as_i64().unwrap() + top["Shared Read Blocks"].as_i64().unwrap();
+    let ticks = count(&client, "SELECT count(*) FROM pgbus.fan_out_ticks").await;
+    held.rollback().await.unwrap();
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM pgbus.deliveries").await,
+        2000,
+        "every batch made its delivery"
+    );
+    assert!(pages <= 6, "the boundary's read took {pages} pages: {plan}");
+    assert!(
+        ticks <= 1024,
+        "{ticks} ticks kept: old ones are not deleted"
     );
 }
 
