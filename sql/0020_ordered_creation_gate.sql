@@ -12,8 +12,6 @@
 --    so that a row written by raw SQL waits too.
 -- 2. pgbus.join_subscription returns at once for a subscription that exists: a bus
 --    joining its ordered subscription does not wait behind publishers.
--- 3. pgbus.lock_publish_keys stops at one probe when no subscription is ordered, as the
---    row trigger does.
 --
 -- Every statement can run again.
 
@@ -59,26 +57,3 @@ BEGIN
 END
 $$;
 
--- 3.
-CREATE OR REPLACE FUNCTION pgbus.lock_publish_keys(names text[], keys text[]) RETURNS void
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp AS $$
-DECLARE
-    v_any_order boolean := current_setting('transaction_isolation') <> 'read committed';
-BEGIN
-    PERFORM pgbus.lock_config(false);
-    IF NOT v_any_order
-       AND (SELECT s.name FROM pgbus.subscriptions AS s WHERE s.ordered
-            ORDER BY s.name LIMIT 1) IS NULL THEN
-        RETURN;
-    END IF;
-    PERFORM 1 FROM pgbus.publish_stripes AS k
-    WHERE k.stripe = ANY (ARRAY(
-        SELECT (hashtextextended(t.k, 7305) & 65535)::integer
-        FROM unnest(names, keys) AS t(n, k)
-        WHERE t.k IS NOT NULL
-          AND (v_any_order OR EXISTS (SELECT 1 FROM pgbus.subscriptions_matching(t.n) AS m
-                                      WHERE m.ordered))))
-    ORDER BY k.stripe
-    FOR NO KEY UPDATE;
-END
-$$;

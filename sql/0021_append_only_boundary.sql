@@ -3,8 +3,9 @@
 -- Migration 18 kept the boundary in one row that every batch updated. Under a transaction
 -- held open elsewhere (the xmin horizon held back), no old version of that row can be
 -- removed, and every read of the row, three a batch, walked all of them: a batch of one
--- event took 0.3 ms, and 1.2-1.5 ms after 8,000 batches behind one open transaction
--- (docs/ARCHITECTURE.md, "The log-first publish").
+-- event (round trip and commit included) went from 0.5 ms to 1.0-1.2 ms over 10,000
+-- batches behind one open transaction, and kept growing (BENCHMARKS.md, "The boundary
+-- behind an open transaction").
 --
 -- 1. Each batch appends its boundary to pgbus.fan_out_ticks; the boundary is the newest
 --    tick, one step down the primary key from its end, where the newest entry is live
@@ -15,6 +16,9 @@
 -- 3. pgbus.fan_out_cursor is now a view of the newest tick, so that whatever read the
 --    boundary from it (the sweep, pgbus.not_fanned_out, an operator's query) reads the
 --    same boundary as before.
+-- 4. The sweep cuts a batch before it reads the boundary. A bus sweeps on its first
+--    maintenance tick; when that came before its first claim, events committed before
+--    the bus started were not yet passed, and stayed until the next sweep, an hour later.
 --
 -- Every statement can run again.
 
@@ -198,3 +202,68 @@ BEGIN
 END
 $$;
 REVOKE EXECUTE ON FUNCTION pgbus.fan_out_committed() FROM PUBLIC;
+
+-- 4. Migration 18's sweep, cutting first.
+CREATE OR REPLACE FUNCTION pgbus.sweep(retention_ms bigint, max_rows integer, lock_key bigint)
+RETURNS TABLE (got boolean, events bigint, failures bigint)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp SET jit = off AS $$
+DECLARE
+    v_cutoff timestamptz;
+    v_boundary pg_snapshot;
+BEGIN
+    IF retention_ms IS NULL OR retention_ms < 0 OR max_rows IS NULL OR max_rows < 1 THEN
+        RAISE EXCEPTION 'pgbus.sweep: retention must be at least 0 and max_rows at least 1'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM 1 FROM pgbus.duties AS d WHERE d.name = 'sweep' FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, 0::bigint, 0::bigint;
+        RETURN;
+    END IF;
+    -- What committed becomes deliveries first (in READ COMMITTED, as every batch), so
+    -- that a sweep right after a bus starts, before its first claim, does not keep
+    -- until the next sweep events that no delivery needs. Then the boundary, read after
+    -- the duty's lock and the batch: this transaction's own batch, and one that
+    -- committed before, passed their events with their deliveries, which the statement
+    -- below sees.
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        PERFORM pgbus.fan_out_committed();
+    END IF;
+    SELECT c.boundary INTO v_boundary FROM pgbus.fan_out_cursor AS c;
+    SELECT pg_catalog.now() - greatest(LEAST(retention_ms, 9000000000000000) * interval '1 millisecond',
+                                       st.min_retention)
+      INTO v_cutoff
+    FROM pgbus.settings AS st;
+    RETURN QUERY
+    WITH RECURSIVE subs AS (
+      (SELECT d.subscription FROM pgbus.deliveries AS d ORDER BY d.subscription LIMIT 1)
+      UNION ALL
+      SELECT (SELECT d.subscription FROM pgbus.deliveries AS d
+              WHERE d.subscription > subs.subscription
+              ORDER BY d.subscription LIMIT 1)
+      FROM subs WHERE subs.subscription IS NOT NULL
+    ),
+    doomed AS (
+      SELECT e.seq FROM pgbus.events AS e
+      WHERE e.created_at < v_cutoff
+        AND pgbus.passed(e.xid, v_boundary)
+        AND NOT EXISTS (SELECT 1 FROM subs
+                        JOIN pgbus.deliveries AS d
+                          ON d.subscription = subs.subscription AND d.event_seq = e.seq)
+      ORDER BY e.created_at
+      LIMIT max_rows
+      FOR UPDATE OF e SKIP LOCKED
+    ),
+    gone_failures AS (
+      DELETE FROM pgbus.delivery_failures AS f
+      USING doomed
+      WHERE f.event_seq = doomed.seq
+      RETURNING 1
+    ),
+    swept AS (
+      DELETE FROM pgbus.events AS e USING doomed WHERE e.seq = doomed.seq
+      RETURNING 1
+    )
+    SELECT true, (SELECT count(*) FROM swept), (SELECT count(*) FROM gone_failures);
+END
+$$;

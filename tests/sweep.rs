@@ -170,3 +170,45 @@ async fn the_sweep_keeps_every_event_a_delivery_still_refers_to() {
         .collect();
     assert_eq!(left, ["dead", "orphan", "pending", "processing", "young"]);
 }
+
+/// A sweep before any claim has cut a batch (a bus sweeps on its first maintenance
+/// tick, which may come before its first claim) removes what committed before it and no
+/// delivery needs, and keeps what a subscription still needs: it cuts a batch first
+/// (`sql/0021_append_only_boundary.sql`). Before, such events were not yet passed and
+/// stayed until the next sweep, an hour later, and the bus test above failed now and
+/// then.
+#[tokio::test]
+async fn a_sweep_before_any_claim_removes_what_committed_before_it() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.subscriptions (name, patterns) VALUES ('s', '{needed.*}'); \
+             INSERT INTO pgbus.events (id, event_name, created_at) VALUES \
+               ('unneeded', 'a.b', now() - interval '2 days'), \
+               ('needed', 'needed.x', now() - interval '2 days')",
+        )
+        .await
+        .unwrap();
+    let swept = pgbus::admin::sweep_batch(&client, Duration::from_secs(86_400), 100)
+        .await
+        .unwrap();
+    assert_eq!(swept.events, 1, "{swept:?}");
+    let left: Vec<String> = client
+        .query("SELECT id FROM pgbus.events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["needed"]);
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 's'"
+        )
+        .await,
+        1,
+        "the batch the sweep cut made the needed event's delivery"
+    );
+}
