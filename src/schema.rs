@@ -135,6 +135,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "append_only_boundary",
         sql: include_str!("../sql/0021_append_only_boundary.sql"),
     },
+    Migration {
+        version: 22,
+        name: "order_trigger_on_demand",
+        sql: include_str!("../sql/0022_order_trigger_on_demand.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

@@ -417,6 +417,35 @@ async fn a_subscription_created_later_sees_only_later_events() {
     );
 }
 
+/// Waits until `task`, a statement calling `function` on another connection, waits for a
+/// lock in this database, or ends; true if it was seen waiting.
+async fn waits_for_a_lock<T>(
+    client: &Client,
+    task: &tokio::task::JoinHandle<T>,
+    function: &str,
+) -> bool {
+    let pattern = format!("%{function}%");
+    common::wait_for(
+        "the statement to wait for a lock, or to end",
+        WAIT,
+        || async {
+            task.is_finished()
+                || client
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                     AND datname = current_database() AND query LIKE $1",
+                        &[&pattern],
+                    )
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0)
+                    == 1
+        },
+    )
+    .await;
+    !task.is_finished()
+}
+
 /// An ordered subscription created while a publisher is between two events of one key:
 /// the creation waits for the publisher's commit (`sql/0020_ordered_creation_gate.sql`),
 /// so the new subscription gets none of that transaction's events, and never in reverse.
@@ -441,22 +470,7 @@ async fn an_ordered_subscription_created_mid_transaction_never_inverts_a_key() {
             .unwrap()
             .get::<_, bool>(0)
     });
-    common::wait_for(
-        "the creation to wait for the publisher, or to end",
-        WAIT,
-        || async {
-            create.is_finished()
-                || count(
-                    &client,
-                    "SELECT count(*) FROM pg_stat_activity \
-                     WHERE wait_event_type = 'Lock' AND query LIKE '%join_subscription%'",
-                )
-                .await
-                    == 1
-        },
-    )
-    .await;
-    let waited = !create.is_finished();
+    let waited = waits_for_a_lock(&client, &create, "join_subscription").await;
     tx.execute(keyed, &[&"e2"]).await.unwrap();
     tx.commit().await.unwrap();
     assert!(create.await.unwrap(), "the subscription is created");
@@ -546,6 +560,184 @@ async fn forged_transaction_ids_and_key_positions_are_refused_or_replaced() {
         )
         .await,
         1
+    );
+}
+
+async fn orders_keys(client: &Client) -> bool {
+    client
+        .query_one("SELECT pgbus.orders_keys()", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Sessions other than `client`'s holding a lock on this database's configuration gate.
+async fn gate_holders(client: &Client) -> i64 {
+    count(
+        client,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'relation' \
+         AND relation = 'pgbus.config_gate'::regclass AND pid <> pg_backend_pid() \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .await
+}
+
+/// The per-row ordering trigger exists only once a subscription is ordered
+/// (`sql/0022_order_trigger_on_demand.sql`): before, a keyed publisher runs no trigger
+/// and holds no configuration gate, and its event has no key position; after, keyed
+/// events draw positions, and forged columns are still refused or replaced.
+#[tokio::test]
+async fn the_log_runs_its_ordering_trigger_only_once_a_subscription_is_ordered() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut publisher = db.connect().await;
+    let keyed = "INSERT INTO pgbus.events (id, event_name, ordering_key) VALUES ($1, 'a.b', 'k')";
+    subscribe(&client, "s", false).await;
+    assert!(!orders_keys(&client).await, "a fresh log orders no key");
+
+    let tx = publisher.transaction().await.unwrap();
+    tx.execute(keyed, &[&"before"]).await.unwrap();
+    assert_eq!(
+        gate_holders(&client).await,
+        0,
+        "a keyed publisher holds no configuration gate while nothing is ordered"
+    );
+    tx.commit().await.unwrap();
+
+    let changed = client
+        .query_one(
+            "SELECT got FROM pgbus.try_configure_subscription('s', NULL, NULL, true, NULL, 5000)",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(changed.get::<_, bool>(0));
+    assert!(
+        orders_keys(&client).await,
+        "an ordered subscription brings the trigger"
+    );
+
+    let tx = publisher.transaction().await.unwrap();
+    tx.execute(keyed, &[&"after"]).await.unwrap();
+    assert_eq!(
+        gate_holders(&client).await,
+        1,
+        "a keyed publisher holds the gate once a subscription is ordered"
+    );
+    tx.commit().await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.events (id, event_name, ordering_key, key_pos) \
+             VALUES ('forged', 'a.b', 'k', -5)",
+        )
+        .await
+        .unwrap();
+    let positions = client
+        .query("SELECT id, key_pos FROM pgbus.events ORDER BY seq", &[])
+        .await
+        .unwrap();
+    let positions: Vec<(String, Option<i64>)> =
+        positions.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(positions[0], ("before".to_owned(), None));
+    assert!(
+        matches!(positions[1], (ref id, Some(p)) if id == "after" && p > 0),
+        "{positions:?}"
+    );
+    assert!(
+        matches!(positions[2], (ref id, Some(p)) if id == "forged" && p > positions[1].1.unwrap()),
+        "a forged position is replaced by a drawn one: {positions:?}"
+    );
+    let err = client
+        .batch_execute(
+            "INSERT INTO pgbus.events (event_name, ordering_key, xid) VALUES ('a.b', 'k', '999999999')",
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        common::error_chain(&err).contains("xid is set by pgbus"),
+        "{err}"
+    );
+
+    cut(&client).await;
+    assert_eq!(
+        handing_order(&client, "s").await,
+        ["before", "after", "forged"],
+        "the key's events in commit order"
+    );
+}
+
+/// With no ordered subscription a keyed publisher holds no gate, so a settings change
+/// that makes a subscription ordered waits for the log's writers under way instead
+/// (`pgbus.lock_config(true)` takes the log's lock while the trigger does not exist): the
+/// publisher's two events of one key are handed over in order, both as the key's
+/// events, and a change that cannot wait names the publisher in its way.
+#[tokio::test]
+async fn a_change_to_ordered_waits_for_the_log_writers_under_way() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut publisher = db.connect().await;
+    let changer = db.connect().await;
+    let keyed = "INSERT INTO pgbus.events (id, event_name, ordering_key) VALUES ($1, 'a.b', 'k')";
+    subscribe(&client, "s", false).await;
+    let tx = publisher.transaction().await.unwrap();
+    tx.execute(keyed, &[&"e1"]).await.unwrap();
+    let publisher_pid: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+
+    let refused = client
+        .query_one(
+            "SELECT got, waiting_on FROM pgbus.try_configure_subscription('s', NULL, NULL, true, NULL, 50)",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(
+        !refused.get::<_, bool>(0),
+        "the change cannot have the log at once"
+    );
+    let waiting_on: serde_json::Value = refused.get(1);
+    assert!(
+        waiting_on
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["pid"] == serde_json::json!(publisher_pid)),
+        "the publisher is named: {waiting_on}"
+    );
+    assert!(
+        !orders_keys(&client).await,
+        "a refused change creates nothing"
+    );
+
+    let change = tokio::spawn(async move {
+        changer
+            .query_one(
+                "SELECT got FROM pgbus.try_configure_subscription('s', NULL, NULL, true, NULL, 20000)",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    });
+    let waited = waits_for_a_lock(&client, &change, "try_configure_subscription").await;
+    tx.execute(keyed, &[&"e2"]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(change.await.unwrap(), "the change is made");
+    client.execute(keyed, &[&"e3"]).await.unwrap();
+    cut(&client).await;
+    assert!(waited, "the change waited for the publisher under way");
+    assert_eq!(handing_order(&client, "s").await, ["e1", "e2", "e3"]);
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 's' AND is_head",
+        )
+        .await,
+        1,
+        "the three are one key's: one head"
     );
 }
 
