@@ -44,9 +44,10 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Default number of events one sweep batch deletes: 1,000.
 pub const DEFAULT_SWEEP_BATCH: i32 = 1000;
 
-/// How long a bus's row in `pgbus.consumers` stays live without a heartbeat (the bus
-/// renews it every 10 seconds): its last heartbeat is its expiry less this.
-pub(crate) const CONSUMER_TTL: Duration = Duration::from_secs(30);
+/// How long a bus's row in `pgbus.consumers` stays live without a heartbeat, with the
+/// default leader lease (a bus renews it at least every 75 seconds): its last heartbeat
+/// is its expiry less this.
+pub(crate) const CONSUMER_TTL: Duration = Duration::from_secs(150);
 
 /// How long [`configure_subscription`] waits for the configuration lock: 30 s.
 pub const DEFAULT_CONFIGURE_WAIT: Duration = Duration::from_secs(30);
@@ -1316,7 +1317,8 @@ pub struct ConsumerInfo {
     pub subscriptions: Vec<String>,
     /// When it started.
     pub started_at: DateTime<Utc>,
-    /// Its last heartbeat (a bus renews its row every 10 seconds).
+    /// Its last heartbeat, with the default leader lease (a bus renews its row at least
+    /// every 75 seconds).
     pub last_heartbeat: DateTime<Utc>,
     /// When its row stops counting as live unless it beats again.
     pub expires_at: DateTime<Utc>,

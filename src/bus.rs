@@ -58,6 +58,12 @@ pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// [`BusBuilder::claim_bytes`]).
 pub const DEFAULT_CLAIM_BYTES: usize = 16 * 1024 * 1024;
 
+/// Default length of the maintenance leadership: 60 s (see [`BusBuilder::leader_lease`]).
+pub const DEFAULT_LEADER_LEASE: Duration = Duration::from_secs(60);
+/// Default fallback poll interval while the listener is connected: 5 minutes (see
+/// [`BusBuilder::idle_poll_interval`]).
+pub const DEFAULT_IDLE_POLL_INTERVAL: Duration = Duration::from_secs(300);
+
 /// Default retention of the log: 7 days (see [`BusBuilder::retention`]).
 pub const DEFAULT_RETENTION: Duration = crate::admin::DEFAULT_RETENTION;
 /// The bus's settings (see the setters of [`BusBuilder`] for each default).
@@ -81,6 +87,8 @@ pub(crate) struct Options {
     pub(crate) retry_set: bool,
     pub(crate) reconfigure: bool,
     pub(crate) claim_bytes: usize,
+    pub(crate) leader_lease: Duration,
+    pub(crate) idle_poll_interval: Duration,
 }
 
 /// A stream subscription's receiving end, kept so that shutdown can release what it
@@ -171,6 +179,8 @@ impl Bus {
                 synchronous_commit: DEFAULT_SYNCHRONOUS_COMMIT,
                 retention: Some(DEFAULT_RETENTION),
                 gauge_interval: Some(crate::metrics::DEFAULT_GAUGE_INTERVAL),
+                leader_lease: DEFAULT_LEADER_LEASE,
+                idle_poll_interval: DEFAULT_IDLE_POLL_INTERVAL,
                 long_transaction: Some(crate::metrics::DEFAULT_LONG_TRANSACTION_WARNING),
                 retry_set: false,
                 reconfigure: false,
@@ -272,8 +282,10 @@ impl Bus {
             worker: Arc::from(uuid::Uuid::now_v7().to_string()),
             subscriptions: self.subs.iter().map(|s| s.sub.name.clone()).collect(),
             poll_only: self.opts.poll_only,
+            leadership: self.opts.leader_lease,
         };
-        consumer.heartbeat().await?;
+        // Registered before any task runs; the maintenance task runs for leadership.
+        consumer.beat(false).await?;
         let bus = self.spawn(consumer);
         tracing::info!(
             worker = %bus.parts.consumer.worker,
@@ -301,6 +313,7 @@ impl Bus {
             slots: Slots::new(opts.concurrency + opts.batch_size),
             listening: Arc::default(),
             dropped: Arc::default(),
+            leads: Arc::default(),
             shutdown,
         };
         let tokens = Tokens::default();
@@ -338,6 +351,7 @@ struct Parts {
     slots: Arc<Slots>,
     listening: Arc<AtomicBool>,
     dropped: Arc<Mutex<Vec<String>>>,
+    leads: Arc<AtomicBool>,
     shutdown: Arc<Shutdown>,
 }
 
@@ -369,6 +383,7 @@ impl Parts {
             },
             dropped: self.dropped.clone(),
             lease_warn: WarnGate::default(),
+            leads: self.leads.clone(),
         }
     }
 
@@ -414,8 +429,10 @@ impl Parts {
                 claim_bytes: opts.claim_bytes,
                 lease: opts.lease,
                 poll_interval: opts.poll_interval,
+                idle_poll_interval: opts.idle_poll_interval,
                 poll_only: opts.poll_only,
             },
+            listening: self.listening.clone(),
         };
         let dispatcher = Dispatcher {
             targets,
@@ -617,6 +634,30 @@ impl BusBuilder {
         self
     }
 
+    /// Sets the fallback poll interval while the listener is connected (default
+    /// [`DEFAULT_IDLE_POLL_INTERVAL`], 5 minutes). A connected listener hears every
+    /// commit that makes work (and catches up after a reconnect), and the bus knows when
+    /// its next scheduled or retried delivery is due, so an idle bus need not ask: it
+    /// claims on a notification, at the next due time, or after this interval, whichever
+    /// comes first. While the listener is down it polls every
+    /// [`poll_interval`](Self::poll_interval).
+    pub fn idle_poll_interval(mut self, interval: Duration) -> Self {
+        self.opts.idle_poll_interval = interval;
+        self
+    }
+
+    /// Sets how long the maintenance leadership lasts without renewal (default
+    /// [`DEFAULT_LEADER_LEASE`], 60 s). One bus at a time leads: it reaps expired leases
+    /// (of every bus), repairs ordering keys, sweeps the log and samples the gauges. The
+    /// leader renews it every third of this (and at least twice per
+    /// [`lease`](Self::lease)); the others try to take it every 1.25 times this. A leader
+    /// that shuts down hands over at once; one that dies is replaced within 2.25 times
+    /// this.
+    pub fn leader_lease(mut self, lease: Duration) -> Self {
+        self.opts.leader_lease = lease;
+        self
+    }
+
     /// Sets the most deliveries one claim statement takes (default
     /// [`DEFAULT_BATCH_SIZE`], 100). It is also the prefetch: at most concurrency plus
     /// one batch are claimed and unsettled at once.
@@ -716,10 +757,11 @@ impl BusBuilder {
         self
     }
 
-    /// Sets how often the bus samples its subscriptions' backlog gauges (default
-    /// [`DEFAULT_GAUGE_INTERVAL`](crate::metrics::DEFAULT_GAUGE_INTERVAL), 15 s; the first
-    /// sample is taken at start): one index-backed statement, its counts capped (see
-    /// [`crate::metrics`]). `None` or zero: never (no recorder is installed, or another
+    /// Sets how often the bus samples the backlog gauges while it leads the maintenance
+    /// (default [`DEFAULT_GAUGE_INTERVAL`](crate::metrics::DEFAULT_GAUGE_INTERVAL), 60 s;
+    /// the first sample is taken when it is elected): one index-backed statement over the
+    /// subscriptions of every live bus, its counts capped (see [`crate::metrics`]). Only
+    /// the leader ([`RunningBus::is_leader`]) records them. `None` or zero: never (no recorder is installed, or another
     /// process samples them, e.g. `pgbus metrics`).
     pub fn gauge_interval(mut self, interval: Option<Duration>) -> Self {
         self.opts.gauge_interval = interval.filter(|i| !i.is_zero());
@@ -774,6 +816,12 @@ impl BusBuilder {
         }
         if o.lease < Duration::from_secs(1) {
             return Err(Error::invalid("lease", "must be at least 1 second"));
+        }
+        if o.idle_poll_interval.is_zero() {
+            return Err(Error::invalid("idle poll interval", "must be positive"));
+        }
+        if o.leader_lease < Duration::from_secs(1) {
+            return Err(Error::invalid("leader lease", "must be at least 1 second"));
         }
         let mut opts = self.opts.clone();
         if self.config.is_pooler() && self.listen_config.is_none() && !opts.poll_only {
@@ -871,8 +919,15 @@ impl RunningBus {
         self.parts.listening.load(Ordering::Acquire)
     }
 
+    /// Whether this bus leads the maintenance now: of all the buses on a database, one
+    /// at a time reaps expired leases, repairs ordering keys, sweeps the log and samples
+    /// the backlog gauges (see [`BusBuilder::leader_lease`]).
+    pub fn is_leader(&self) -> bool {
+        self.parts.leads.load(Ordering::Acquire)
+    }
+
     /// This bus's subscriptions that an operator dropped while it runs (checked with the
-    /// consumer heartbeat, every 10 s): they receive nothing until registered again
+    /// consumer heartbeat, every 1.25 leader leases: 75 s by default): they receive nothing until registered again
     /// (restarting the bus does that). Each drop is also logged at error level.
     pub fn dropped_subscriptions(&self) -> Vec<String> {
         self.parts

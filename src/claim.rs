@@ -55,6 +55,8 @@ pub(crate) struct Pacing {
     pub(crate) claim_bytes: usize,
     pub(crate) lease: Duration,
     pub(crate) poll_interval: Duration,
+    /// The fallback poll's interval while the listener is connected.
+    pub(crate) idle_poll_interval: Duration,
     pub(crate) poll_only: bool,
 }
 
@@ -70,6 +72,8 @@ pub(crate) struct Claimer {
     pub(crate) stats: Arc<Counters>,
     pub(crate) shutdown: Arc<Shutdown>,
     pub(crate) pacing: Pacing,
+    /// Whether the listener is connected and LISTENing.
+    pub(crate) listening: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What the next claim asks for.
@@ -261,7 +265,15 @@ impl Claimer {
         if round.claimed >= round.free || round.cut {
             return true; // a full batch, or cut by the byte budget: there may be more
         }
-        let poll = self.pacing.poll_interval;
+        // A connected listener hears every commit that makes work: the poll is then only
+        // a safety net, and the next due delivery bounds the wait.
+        let poll = if self.listening.load(std::sync::atomic::Ordering::Acquire) {
+            self.pacing
+                .idle_poll_interval
+                .max(self.pacing.poll_interval)
+        } else {
+            self.pacing.poll_interval
+        };
         let mut wait = round.next_due.map_or(poll, |due| due.min(poll));
         let mut lingering = false;
         if state.awake && !self.pacing.poll_only {

@@ -262,6 +262,20 @@ impl Db {
         Ok(rows)
     }
 
+    /// Runs `work`, [`Db::query`] statements on `client`, as one transaction on a direct
+    /// connection (one for the server's count, one snapshot); behind a pooler each
+    /// statement is a transaction of its own, as [`Db::query`] sends it.
+    pub(crate) async fn in_one_transaction<T>(
+        &self,
+        client: &tokio_postgres::Client,
+        work: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
+        if self.begin.is_some() {
+            return work.await;
+        }
+        transaction(client, "BEGIN", work).await
+    }
+
     /// Runs `work`, statements on `client` that are not one of [`Db::query`]'s (an
     /// operator function of `admin`), under the bus's settings: as they are on a direct
     /// connection; behind a pooler, in a transaction that sets them locally.
@@ -273,19 +287,7 @@ impl Db {
         let Some(begin) = &self.begin else {
             return work.await;
         };
-        client.batch_execute(begin).await?;
-        match work.await {
-            Ok(done) => {
-                client.batch_execute("COMMIT").await?;
-                Ok(done)
-            }
-            Err(e) => {
-                // A failed statement already ended the transaction's work; a broken
-                // connection ends it with the session.
-                let _ = client.batch_execute("ROLLBACK").await;
-                Err(e)
-            }
-        }
+        transaction(client, begin, work).await
     }
 
     /// Runs `work` (statements on `client`) unless `stop` fires first; then the
@@ -306,6 +308,27 @@ impl Db {
                 }
                 None
             }
+        }
+    }
+}
+
+/// Runs `work` on `client` between `begin` and a COMMIT, or a ROLLBACK when it fails: a
+/// failed statement already ended the transaction's work, and a broken connection ends it
+/// with the session.
+async fn transaction<T>(
+    client: &tokio_postgres::Client,
+    begin: &str,
+    work: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    client.batch_execute(begin).await?;
+    match work.await {
+        Ok(done) => {
+            client.batch_execute("COMMIT").await?;
+            Ok(done)
+        }
+        Err(e) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+            Err(e)
         }
     }
 }

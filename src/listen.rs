@@ -23,6 +23,9 @@ use crate::stats::{self, Counters};
 /// The channel pgbus notifies on.
 pub(crate) const CHANNEL: &str = "pgbus";
 
+/// The payload `pgbus.leave` notifies with when the bus leaving led the maintenance.
+const LEADER_LEFT: &str = "leader";
+
 /// How often the listener pings its connection, and how long a ping may take.
 const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -33,6 +36,8 @@ const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 pub(crate) struct Wake {
     notify: Notify,
     notified: AtomicBool,
+    /// The maintenance leader gave up its leadership (`pgbus.leave` notified 'leader').
+    leader_left: Notify,
 }
 
 impl Wake {
@@ -45,6 +50,18 @@ impl Wake {
     /// Something else may have made work (a catch-up, a retry scheduled, a lease reaped).
     pub(crate) fn now(&self) {
         self.notify.notify_one();
+    }
+
+    /// A notification said the maintenance leader left: wakes the maintenance task (to
+    /// run for leadership at once) as well as the claimer.
+    pub(crate) fn by_leader_leaving(&self) {
+        self.leader_left.notify_one();
+        self.by_notification();
+    }
+
+    /// Waits until a leader leaves.
+    pub(crate) async fn leader_left(&self) {
+        self.leader_left.notified().await;
     }
 
     /// Waits for a wake-up; true when it came from a notification.
@@ -126,7 +143,7 @@ impl Listener {
                         break;
                     }
                     m = messages.next() => match m {
-                        Some(Ok(AsyncMessage::Notification(_))) => self.wake.by_notification(),
+                        Some(Ok(AsyncMessage::Notification(n))) => self.relay_one(&n),
                         Some(Ok(_)) => {}
                         Some(Err(e)) => return Err(e.to_string()),
                         None => return Err("connection closed".to_string()),
@@ -135,6 +152,19 @@ impl Listener {
             }
         }
         Ok((client, messages))
+    }
+
+    /// Wakes the claimer for a notification on the bus's channel, and the maintenance
+    /// task too when it says the leader left.
+    fn relay_one(&self, n: &tokio_postgres::Notification) {
+        if n.channel() != CHANNEL {
+            return;
+        }
+        if n.payload() == LEADER_LEFT {
+            self.wake.by_leader_leaving();
+        } else {
+            self.wake.by_notification();
+        }
     }
 
     /// Says the listener is connected, and wakes the claimer to catch up on whatever
@@ -162,11 +192,7 @@ impl Listener {
         loop {
             tokio::select! {
                 m = messages.next() => match m {
-                    Some(Ok(AsyncMessage::Notification(n))) => {
-                        if n.channel() == CHANNEL {
-                            self.wake.by_notification();
-                        }
-                    }
+                    Some(Ok(AsyncMessage::Notification(n))) => self.relay_one(&n),
                     Some(Ok(_)) => {}
                     Some(Err(e)) => return e.to_string(),
                     None => return "connection closed".to_string(),

@@ -1,8 +1,10 @@
-//! Maintenance: the duties a running bus does on timers besides claiming. It returns
-//! expired leases (of any bus), extends the leases of what it holds, renews its row in
-//! `pgbus.consumers`, repairs ordering keys left without a head, sweeps the log past
-//! its retention, and samples its subscriptions' backlog gauges.
+//! Maintenance: the duties a running bus does on timers besides claiming. Every bus
+//! extends the leases of what it holds and renews its row in `pgbus.consumers`; one
+//! bus at a time, elected through that renewal (`pgbus.beat`), also returns expired
+//! leases (of any bus), repairs ordering keys left without a head, sweeps the log past
+//! its retention, and samples the backlog gauges. The others only claim.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,17 +22,44 @@ use crate::slot::Slots;
 use crate::sql;
 use crate::stats::{self, Counters};
 
-/// How long a bus's row in `pgbus.consumers` stays live without a heartbeat.
-const CONSUMER_TTL: Duration = crate::admin::CONSUMER_TTL;
-/// How often the bus renews it.
-const CONSUMER_HEARTBEAT: Duration = Duration::from_secs(10);
 /// How often a bus with ordered subscriptions looks for keys left without a head.
 const REPAIR_INTERVAL: Duration = Duration::from_secs(300);
-/// How often a bus runs the retention sweep (one batch, then more batches on the
-/// following poll ticks while batches come back full).
+/// How often a bus runs the retention sweep (one batch, then more batches a poll
+/// interval apart while batches come back full).
 const SWEEP_INTERVAL: Duration = Duration::from_secs(3600);
 /// The most expired leases, or headless keys, one statement handles.
 const ROWS_PER_DUTY: i32 = 1000;
+
+/// How often a bus renews its row and runs for leadership, given the leadership's
+/// length and its own delivery lease. A leader renews three times per leadership, and
+/// at least twice per delivery lease, so that it sees every lease before it runs out;
+/// a follower beats every 1.25 leaderships: a leader that died without leaving is
+/// replaced within a leadership and a follower's beat.
+pub(crate) fn beat_interval(leads: bool, leadership: Duration, lease: Duration) -> Duration {
+    if leads {
+        (leadership / 3)
+            .min(lease / 2)
+            .max(Duration::from_millis(100))
+    } else {
+        leadership + leadership / 4
+    }
+}
+
+/// How long a bus's row stays live without a beat: two of a follower's beats.
+pub(crate) fn consumer_ttl(leadership: Duration) -> Duration {
+    2 * beat_interval(false, leadership, leadership)
+}
+
+/// What one beat returned.
+#[derive(Debug)]
+pub(crate) struct Beat {
+    /// The bus's subscriptions that no longer exist.
+    pub(crate) missing: Vec<String>,
+    /// Whether this bus leads the maintenance now.
+    pub(crate) leads: bool,
+    /// For a leader: how soon the earliest lease of any bus runs out.
+    pub(crate) next_expiry: Option<Duration>,
+}
 
 /// The bus's row in `pgbus.consumers`.
 #[derive(Debug, Clone)]
@@ -39,13 +68,17 @@ pub(crate) struct Consumer {
     pub(crate) worker: Arc<str>,
     pub(crate) subscriptions: Vec<Arc<str>>,
     pub(crate) poll_only: bool,
+    /// How long a leadership lasts without renewal.
+    pub(crate) leadership: Duration,
 }
 
 impl Consumer {
-    /// Registers or renews the row; returns the bus's subscriptions that no longer exist.
-    pub(crate) async fn heartbeat(&self) -> Result<Vec<String>> {
+    /// Registers or renews the row and, with `lead`, runs for (or renews) the
+    /// maintenance leadership.
+    pub(crate) async fn beat(&self, lead: bool) -> Result<Beat> {
         let client = self.db.get().await?;
-        let ttl_ms = CONSUMER_TTL.as_millis() as i64;
+        let ttl_ms = consumer_ttl(self.leadership).as_millis() as i64;
+        let lead_ms = lead.then(|| self.leadership.as_millis().max(1) as i64);
         let subs: Vec<&str> = self.subscriptions.iter().map(|s| &**s).collect();
         let info = format!(
             "pid {} on {}",
@@ -57,21 +90,27 @@ impl Consumer {
             .db
             .query(
                 &client,
-                sql::CONSUMER_HEARTBEAT,
+                sql::CONSUMER_BEAT,
                 &[
                     Type::TEXT,
                     Type::INT8,
                     Type::TEXT_ARRAY,
                     Type::TEXT,
                     Type::BOOL,
+                    Type::INT8,
                 ],
-                &[&worker, &ttl_ms, &subs, &info, &self.poll_only],
+                &[&worker, &ttl_ms, &subs, &info, &self.poll_only, &lead_ms],
             )
             .await?;
         let row = rows
             .first()
-            .ok_or(Error::Unexpected("the consumer heartbeat returned no row"))?;
-        Ok(row.try_get("missing")?)
+            .ok_or(Error::Unexpected("the consumer beat returned no row"))?;
+        let next_expiry: Option<i64> = row.try_get("next_expiry_ms")?;
+        Ok(Beat {
+            missing: row.try_get("missing")?,
+            leads: row.try_get("leads")?,
+            next_expiry: next_expiry.map(|ms| Duration::from_millis(ms.max(0) as u64)),
+        })
     }
 
     /// Removes the row (at shutdown).
@@ -110,6 +149,10 @@ pub(crate) struct Maintainer {
     /// This bus's subscriptions found dropped by the last heartbeat.
     pub(crate) dropped: Arc<Mutex<Vec<String>>>,
     pub(crate) lease_warn: WarnGate,
+    /// Whether this bus leads the maintenance ([`RunningBus::is_leader`]).
+    ///
+    /// [`RunningBus::is_leader`]: crate::RunningBus::is_leader
+    pub(crate) leads: Arc<AtomicBool>,
 }
 
 fn every(period: Duration) -> Interval {
@@ -118,35 +161,140 @@ fn every(period: Duration) -> Interval {
     interval
 }
 
+/// The leader's duties that are due, by when.
+struct Duties {
+    /// The next reap: when the earliest lease runs out, and then every poll interval
+    /// while any delivery is leased (the last beat saw one, or this bus holds one);
+    /// `None`: nothing is leased.
+    reap: Option<Instant>,
+    /// Whether the last beat saw a leased delivery.
+    leased: bool,
+    sweep: Instant,
+    repair: Instant,
+    gauges: Option<Instant>,
+}
+
 impl Maintainer {
     /// Runs until `stop` is cancelled. Once the bus is stopping it only extends leases
     /// (handlers may still run) and renews its row: no reaping, repair or sweep starts,
     /// and one in flight is cancelled on the server.
     pub(crate) async fn run(self, stop: CancellationToken) {
-        // The first sweep runs on the first tick; then hourly, or on the next tick while
-        // batches come back full. One batch per tick keeps the other duties on time.
-        let mut next_sweep = Instant::now();
-        let mut reap = every(self.schedule.poll_interval);
         let mut extend = every(self.schedule.lease / 3);
-        let mut heartbeat = every(CONSUMER_HEARTBEAT);
-        let mut repair = every(REPAIR_INTERVAL);
-        let mut gauges = every(self.schedule.gauges.unwrap_or(REPAIR_INTERVAL));
         extend.tick().await;
-        heartbeat.tick().await;
+        // The bus beat once as it started; it runs for leadership at once.
+        let mut next_beat = Instant::now();
+        let mut lead_until: Option<Instant> = None;
+        let mut duties: Option<Duties> = None;
         loop {
+            let leading = lead_until.is_some_and(|until| Instant::now() < until);
+            if !leading {
+                lead_until = None;
+                if duties.take().is_some() {
+                    self.lost_lead();
+                }
+            }
+            let active = leading && !self.shutdown.is_stopping();
+            let due = duties.as_ref().map(|d| {
+                [Some(d.sweep), Some(d.repair), d.reap, d.gauges]
+                    .into_iter()
+                    .flatten()
+                    .min()
+                    .unwrap_or(d.sweep)
+            });
+            // A leader also looks every poll interval (no statement unless a duty is due)
+            // whether this bus has claimed since: its leases are then reaped when they
+            // run out without waiting for the next beat.
+            let look = active.then(|| Instant::now() + self.schedule.poll_interval);
+            let until = due
+                .filter(|_| active)
+                .into_iter()
+                .chain(look)
+                .chain(lead_until)
+                .fold(next_beat, Instant::min);
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = reap.tick(), if !self.shutdown.is_stopping() => {
-                    if self.reap().await && Instant::now() >= next_sweep {
-                        next_sweep = self.sweep().await;
+                _ = extend.tick() => self.extend(&stop).await,
+                _ = self.wake.leader_left(), if !leading => next_beat = Instant::now(),
+                _ = tokio::time::sleep_until(until) => {
+                    let now = Instant::now();
+                    if now >= next_beat {
+                        let sent = Instant::now();
+                        let beat = tokio::select! {
+                            r = self.consumer.beat(!self.shutdown.is_stopping()) => r,
+                            _ = stop.cancelled() => return,
+                        };
+                        match beat {
+                            Ok(beat) => {
+                                self.note_dropped(beat.missing);
+                                if beat.leads {
+                                    lead_until = Some(sent + self.consumer.leadership);
+                                    let d = duties.get_or_insert_with(|| self.took_lead());
+                                    d.leased = beat.next_expiry.is_some();
+                                    if let Some(expiry) = beat.next_expiry {
+                                        let at = Instant::now()
+                                            + expiry.min(self.schedule.poll_interval);
+                                        d.reap = Some(d.reap.map_or(at, |r| r.min(at)));
+                                    }
+                                } else {
+                                    lead_until = None;
+                                }
+                            }
+                            Err(e) => tracing::debug!(error = %e, "pgbus consumer beat failed"),
+                        }
+                        let leads = lead_until.is_some();
+                        next_beat = Instant::now()
+                            + beat_interval(leads, self.consumer.leadership, self.schedule.lease);
+                    } else if active && let Some(d) = duties.as_mut() {
+                        self.run_due(d, now).await;
                     }
                 }
-                _ = extend.tick() => self.extend(&stop).await,
-                _ = heartbeat.tick() => self.heartbeat(&stop).await,
-                _ = repair.tick(), if !self.shutdown.is_stopping() => self.repair().await,
-                _ = gauges.tick(), if self.schedule.gauges.is_some()
-                    && !self.shutdown.is_stopping() => self.sample_gauges().await,
             }
+        }
+    }
+
+    /// This bus has just been elected: every duty is due at once.
+    fn took_lead(&self) -> Duties {
+        tracing::info!(worker = %self.consumer.worker, "pgbus bus leads the maintenance");
+        self.leads.store(true, Ordering::Release);
+        stats::add(&self.stats.elected, 1);
+        let now = Instant::now();
+        Duties {
+            reap: Some(now),
+            leased: false,
+            sweep: now,
+            repair: now,
+            gauges: self.schedule.gauges.map(|_| now),
+        }
+    }
+
+    /// This bus's leadership ran out or went to another.
+    fn lost_lead(&self) {
+        tracing::info!(worker = %self.consumer.worker, "pgbus bus no longer leads the maintenance");
+        self.leads.store(false, Ordering::Release);
+    }
+
+    /// Runs the leader's duties that are due at `now`, one at a time.
+    async fn run_due(&self, d: &mut Duties, now: Instant) {
+        if d.reap.is_none() && self.slots.taken() > 0 {
+            d.reap = Some(now);
+        }
+        if d.reap.is_some_and(|at| at <= now) {
+            let found = self.reap().await;
+            let again = d.leased || self.slots.taken() > 0 || found != Some(0);
+            d.reap = again.then(|| Instant::now() + self.schedule.poll_interval);
+        } else if d.sweep <= now {
+            d.sweep = self
+                .sweep()
+                .await
+                .max(Instant::now() + self.schedule.poll_interval);
+        } else if d.repair <= now {
+            self.repair().await;
+            d.repair = Instant::now() + REPAIR_INTERVAL;
+        } else if let (Some(at), Some(every)) = (d.gauges, self.schedule.gauges)
+            && at <= now
+        {
+            self.sample_gauges().await;
+            d.gauges = Some(Instant::now() + every);
         }
     }
 
@@ -158,9 +306,9 @@ impl Maintainer {
         self.consumer.db.get().await
     }
 
-    /// Returns expired leases (of any bus) to pending or the dead letters; true when it
-    /// ran (or the bus is stopping).
-    async fn reap(&self) -> bool {
+    /// Returns expired leases (of any bus) to pending or the dead letters; how many, or
+    /// `None` when it failed (or the bus is stopping).
+    async fn reap(&self) -> Option<i64> {
         let reaped = async {
             let client = self.client().await?;
             let work = async {
@@ -181,6 +329,7 @@ impl Maintainer {
                 .await
                 .transpose()
         };
+        stats::add(&self.stats.reaps, 1);
         match reaped.await {
             Ok(Some((pending, dead))) => {
                 if pending + dead > 0 {
@@ -190,12 +339,12 @@ impl Maintainer {
                 if pending > 0 {
                     self.wake.now();
                 }
-                true
+                Some(pending + dead)
             }
-            Ok(None) => false,
+            Ok(None) => None,
             Err(e) => {
                 tracing::debug!(error = %e, "pgbus reaper failed");
-                false
+                None
             }
         }
     }
@@ -233,18 +382,6 @@ impl Maintainer {
         };
         if let Err(e) = extended.await {
             crate::warn_limited!(gate = &self.lease_warn; error = %e, "pgbus could not extend leases");
-        }
-    }
-
-    /// Renews the bus's row, and says when one of its subscriptions was dropped.
-    async fn heartbeat(&self, stop: &CancellationToken) {
-        let beat = tokio::select! {
-            r = self.consumer.heartbeat() => r,
-            _ = stop.cancelled() => return,
-        };
-        match beat {
-            Ok(missing) => self.note_dropped(missing),
-            Err(e) => tracing::debug!(error = %e, "pgbus consumer heartbeat failed"),
         }
     }
 
@@ -299,87 +436,74 @@ impl Maintainer {
         }
     }
 
-    /// Samples the backlog gauges of this bus's subscriptions ([`sql::BACKLOG`]) and sets
-    /// them on the installed recorder.
+    /// Samples the backlog gauges of every live bus's subscriptions
+    /// ([`sql::BACKLOG_LIVE`]), the events not yet turned into deliveries
+    /// ([`sql::FAN_OUT_BACKLOG`]) and what holds the xmin horizon back
+    /// ([`sql::XMIN_HORIZON`]), in one transaction, and sets them on the installed
+    /// recorder; warns (rate-limited) when the oldest transaction is older than the
+    /// schedule's threshold.
     async fn sample_gauges(&self) {
+        let client = match self.client().await {
+            Ok(client) => client,
+            Err(e) => return tracing::debug!(error = %e, "pgbus could not sample the gauges"),
+        };
+        let subs: Vec<&str> = self.consumer.subscriptions.iter().map(|s| &**s).collect();
+        let cap = crate::metrics::GAUGE_COUNT_CAP;
         let sampled = async {
-            let client = self.client().await?;
-            let subs: Vec<&str> = self.consumer.subscriptions.iter().map(|s| &**s).collect();
-            let cap = crate::metrics::GAUGE_COUNT_CAP;
-            let params: [&(dyn ToSql + Sync); 2] = [&subs, &cap];
-            let work = self
-                .db()
-                .query(&client, sql::BACKLOG, &sql::BACKLOG_TYPES, &params);
+            let work = self.db().in_one_transaction(&client, async {
+                let backlog = self
+                    .db()
+                    .query(
+                        &client,
+                        sql::BACKLOG_LIVE,
+                        &sql::BACKLOG_TYPES,
+                        &[&subs, &cap],
+                    )
+                    .await?;
+                let fan_out = self
+                    .db()
+                    .query(
+                        &client,
+                        sql::FAN_OUT_BACKLOG,
+                        &sql::FAN_OUT_BACKLOG_TYPES,
+                        &[&cap],
+                    )
+                    .await?;
+                let horizon = self
+                    .db()
+                    .query(&client, sql::XMIN_HORIZON, &[], &[])
+                    .await?;
+                Ok((backlog, fan_out, horizon))
+            });
             self.db()
                 .unless_stopped(&client, self.shutdown.token(), work)
                 .await
                 .transpose()
         };
-        match sampled.await {
-            Ok(Some(rows)) => {
-                for row in &rows {
-                    match crate::metrics::Backlog::from_row(row) {
-                        Ok(backlog) => backlog.record(),
-                        Err(e) => tracing::debug!(error = %e, "pgbus cannot read a gauge sample"),
-                    }
-                }
+        let (backlog, fan_out, horizon) = match sampled.await {
+            Ok(Some(rows)) => rows,
+            Ok(None) => {
+                // Cancelled inside its transaction: the connection is not given back.
+                drop(deadpool_postgres::Object::take(client));
+                return;
             }
-            Ok(None) => {}
-            Err(e) => tracing::debug!(error = %e, "pgbus could not sample the backlog gauges"),
-        }
-        self.sample_fan_out().await;
-        self.sample_horizon().await;
-    }
-
-    /// Samples the events not yet turned into deliveries ([`sql::FAN_OUT_BACKLOG`]) and
-    /// sets their gauges.
-    async fn sample_fan_out(&self) {
-        let sampled = async {
-            let client = self.client().await?;
-            let cap = crate::metrics::GAUGE_COUNT_CAP;
-            let params: [&(dyn ToSql + Sync); 1] = [&cap];
-            let work = self.db().query(
-                &client,
-                sql::FAN_OUT_BACKLOG,
-                &sql::FAN_OUT_BACKLOG_TYPES,
-                &params,
-            );
-            self.db()
-                .unless_stopped(&client, self.shutdown.token(), work)
-                .await
-                .transpose()
+            Err(e) => return tracing::debug!(error = %e, "pgbus could not sample the gauges"),
         };
-        match sampled.await {
-            Ok(Some(rows)) => match rows.first().map(crate::metrics::FanOutBacklog::from_row) {
-                Some(Ok(backlog)) => backlog.record(),
-                Some(Err(e)) => tracing::debug!(error = %e, "pgbus cannot read a gauge sample"),
-                None => {}
-            },
-            Ok(None) => {}
-            Err(e) => tracing::debug!(error = %e, "pgbus could not sample the fan-out gauges"),
+        for row in &backlog {
+            match crate::metrics::Backlog::from_row(row) {
+                Ok(backlog) => backlog.record(),
+                Err(e) => tracing::debug!(error = %e, "pgbus cannot read a gauge sample"),
+            }
         }
-    }
-
-    /// Samples what holds the xmin horizon back ([`sql::XMIN_HORIZON`]), sets its gauges,
-    /// and warns (rate-limited) when the oldest transaction is older than the schedule's
-    /// threshold.
-    async fn sample_horizon(&self) {
-        let sampled = async {
-            let client = self.client().await?;
-            let work = self.db().query(&client, sql::XMIN_HORIZON, &[], &[]);
-            self.db()
-                .unless_stopped(&client, self.shutdown.token(), work)
-                .await
-                .transpose()
-        };
-        let horizon = match sampled.await {
-            Ok(Some(rows)) => match rows.first().map(crate::metrics::XminHorizon::from_row) {
-                Some(Ok(horizon)) => horizon,
-                Some(Err(e)) => return tracing::debug!(error = %e, "pgbus cannot read the horizon"),
-                None => return,
-            },
-            Ok(None) => return,
-            Err(e) => return tracing::debug!(error = %e, "pgbus could not sample the horizon"),
+        match fan_out.first().map(crate::metrics::FanOutBacklog::from_row) {
+            Some(Ok(backlog)) => backlog.record(),
+            Some(Err(e)) => tracing::debug!(error = %e, "pgbus cannot read a gauge sample"),
+            None => {}
+        }
+        let horizon = match horizon.first().map(crate::metrics::XminHorizon::from_row) {
+            Some(Ok(horizon)) => horizon,
+            Some(Err(e)) => return tracing::debug!(error = %e, "pgbus cannot read the horizon"),
+            None => return,
         };
         horizon.record();
         if let Some(threshold) = self.schedule.long_transaction

@@ -90,8 +90,9 @@ pub const FAN_OUT_OLDEST_AGE: &str = "pgbus_fan_out_oldest_age_seconds";
 /// and the dashboard shows a banner: 5 minutes.
 pub const DEFAULT_LONG_TRANSACTION_WARNING: Duration = Duration::from_secs(300);
 
-/// How often a running bus samples the gauges by default: every 15 s.
-pub const DEFAULT_GAUGE_INTERVAL: Duration = Duration::from_secs(15);
+/// How often the leading bus samples the gauges by default: every 60 s (an idle bus's
+/// largest cost after its beat; BENCHMARKS.md, "An idle bus").
+pub const DEFAULT_GAUGE_INTERVAL: Duration = Duration::from_secs(60);
 
 /// The most deliveries each gauge counts per subscription and state: a larger backlog
 /// reads as this many. Counting further would cost every sample time in proportion to

@@ -140,6 +140,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "order_trigger_on_demand",
         sql: include_str!("../sql/0022_order_trigger_on_demand.sql"),
     },
+    Migration {
+        version: 23,
+        name: "elected_maintenance",
+        sql: include_str!("../sql/0023_elected_maintenance.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

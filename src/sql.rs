@@ -221,6 +221,14 @@ pub const BACKLOG: &str = "\
 SELECT subscription, due, scheduled, processing, dead, oldest_due_age, blocked_keys
 FROM pgbus.backlog($1::text[], $2::int8)";
 
+/// [`BACKLOG`] for the subscriptions of every live bus and `$1`'s (the leader samples the
+/// gauges for all of them). Parameters and rows as [`BACKLOG`]'s.
+pub const BACKLOG_LIVE: &str = "\
+SELECT subscription, due, scheduled, processing, dead, oldest_due_age, blocked_keys
+FROM pgbus.backlog(ARRAY(SELECT n FROM pgbus.consumers AS c, unnest(c.subscriptions) AS n
+                         WHERE c.expires_at > now()
+                         UNION SELECT unnest($1::text[])), $2::int8)";
+
 /// The parameter types of [`BACKLOG`].
 pub const BACKLOG_TYPES: [tokio_postgres::types::Type; 2] = [
     tokio_postgres::types::Type::TEXT_ARRAY,
@@ -236,6 +244,17 @@ pub const BACKLOG_TYPES: [tokio_postgres::types::Type; 2] = [
 /// an operator while it runs), empty when all do. `pgbus.heartbeat` runs with the owner's
 /// rights: consumers have no INSERT or UPDATE on `pgbus.consumers`.
 pub const CONSUMER_HEARTBEAT: &str = "SELECT pgbus.heartbeat($1, $2, $3, $4, $5) AS missing";
+
+/// Renews this bus's row as [`CONSUMER_HEARTBEAT`] does and, with `$6` set, takes or
+/// renews the maintenance leadership for `$6` milliseconds unless another bus holds it
+/// live (`pgbus.beat`, migration 23). Parameters: [`CONSUMER_HEARTBEAT`]'s, then `$6 int8`
+/// the leadership's length (NULL: do not run for it).
+///
+/// Returns one row: `missing` (as [`CONSUMER_HEARTBEAT`]), `leads`, whether this bus now
+/// leads, and `next_expiry_ms`, for a leader the milliseconds until the earliest lease of
+/// any bus runs out (NULL when none is leased or the bus does not lead).
+pub const CONSUMER_BEAT: &str =
+    "SELECT missing, leads, next_expiry_ms FROM pgbus.beat($1, $2, $3, $4, $5, $6)";
 
 /// Marks this bus asleep: from now on publishers notify it. Parameter: `$1 text` worker id.
 ///
@@ -787,6 +806,8 @@ pub const ALL: &[(&str, &str)] = &[
     ("SKIP_HEAD", SKIP_HEAD),
     ("KEY_WAITING", KEY_WAITING),
     ("CONSUMER_HEARTBEAT", CONSUMER_HEARTBEAT),
+    ("CONSUMER_BEAT", CONSUMER_BEAT),
+    ("BACKLOG_LIVE", BACKLOG_LIVE),
     ("CONSUMER_SLEEP", CONSUMER_SLEEP),
     ("CONSUMER_REMOVE", CONSUMER_REMOVE),
     ("BACKLOG", BACKLOG),

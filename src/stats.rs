@@ -48,6 +48,12 @@ pub struct Stats {
     pub settle_errors: u64,
     /// Ordering keys found without a head and repaired (should stay 0).
     pub repaired: u64,
+    /// Times this bus was elected to lead the maintenance (reaping, repair, the sweep,
+    /// the gauges); [`RunningBus::is_leader`](crate::RunningBus::is_leader) says whether
+    /// it leads now.
+    pub elected: u64,
+    /// Reaper runs (each returns the expired leases of every bus); only a leader reaps.
+    pub reaps: u64,
 }
 
 /// The live counters, shared by the bus's tasks.
@@ -68,6 +74,8 @@ pub(crate) struct Counters {
     pub(crate) claim_errors: AtomicU64,
     pub(crate) settle_errors: AtomicU64,
     pub(crate) repaired: AtomicU64,
+    pub(crate) elected: AtomicU64,
+    pub(crate) reaps: AtomicU64,
 }
 
 /// Adds `n` to a counter.
@@ -127,6 +135,8 @@ impl Counters {
             claim_errors: r(&self.claim_errors),
             settle_errors: r(&self.settle_errors),
             repaired: r(&self.repaired),
+            elected: r(&self.elected),
+            reaps: r(&self.reaps),
         }
     }
 }

@@ -759,6 +759,7 @@ const PUBLISHER: &[&str] = &[
 ];
 const CONSUMER: &[&str] = &[
     "ack_in() EXECUTE",
+    "beat() EXECUTE",
     "claim() EXECUTE",
     "consumers SELECT",
     "deliveries SELECT",
@@ -767,6 +768,7 @@ const CONSUMER: &[&str] = &[
     "extend_leases() EXECUTE",
     "heartbeat() EXECUTE",
     "join_subscription() EXECUTE",
+    "leader SELECT",
     "leave() EXECUTE",
     "mark_asleep() EXECUTE",
     "promote_orphans() EXECUTE",

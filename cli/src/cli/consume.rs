@@ -120,9 +120,18 @@ pub(crate) struct ConsumeArgs {
     /// Kill a --exec command that runs longer than this (a failed attempt).
     #[arg(long, value_parser = parse_duration)]
     timeout: Option<Duration>,
-    /// Look for work at least this often, whatever the notifications.
+    /// Look for work this often while the listener is down (or with --poll-only).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     poll_interval: Duration,
+    /// Look for work at least this often while the listener is connected (it hears every
+    /// commit that makes work; scheduled and retried deliveries are claimed when due).
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    idle_poll_interval: Duration,
+    /// How long the maintenance leadership lasts without renewal: one consumer at a
+    /// time reaps expired leases, repairs ordering keys and sweeps the log; a leader that
+    /// dies is replaced within 2.25 times this.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    leader_lease: Duration,
     /// Do not LISTEN; find work by polling only.
     #[arg(long, conflicts_with = "listen_url")]
     poll_only: bool,
@@ -272,6 +281,8 @@ pub(crate) async fn run(args: ConsumeArgs, url: Option<&str>) -> Result<(), Fail
         .concurrency(args.concurrency)
         .lease(args.lease)
         .poll_interval(args.poll_interval)
+        .idle_poll_interval(args.idle_poll_interval)
+        .leader_lease(args.leader_lease)
         .poll_only(args.poll_only)
         .shutdown_timeout(args.shutdown_timeout + args.kill_grace + SETTLE_MARGIN)
         .reconfigure(args.reconfigure)
