@@ -17,11 +17,13 @@ REVOKE ALL ON pgbus.leader FROM PUBLIC;
 -- is NULL, takes or renews leadership for p_lead_ms when nobody else holds it live.
 -- Returns the bus's subscriptions that no longer exist, whether it leads, and, for a
 -- leader, the milliseconds until the earliest lease of any bus runs out (NULL: no
--- delivery is leased), so that it reaps when something is due and not on a timer.
+-- delivery is leased), so that it reaps when something is due and not on a timer; for a
+-- follower, the milliseconds until the leadership runs out (a follower of a short
+-- leadership runs for it then).
 CREATE OR REPLACE FUNCTION pgbus.beat(
     p_id text, p_ttl_ms bigint, p_subscriptions text[], p_info text, p_awake boolean,
     p_lead_ms bigint)
-RETURNS TABLE (missing text[], leads boolean, next_expiry_ms bigint)
+RETURNS TABLE (missing text[], leads boolean, next_expiry_ms bigint, leader_expiry_ms bigint)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp AS $$
 DECLARE
     v_leads boolean := false;
@@ -56,14 +58,33 @@ BEGIN
              WHERE d.status = 'processing'
              ORDER BY d.locked_until
              LIMIT 1)
+        END,
+        CASE WHEN NOT v_leads THEN
+            (SELECT greatest(0, ceil(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000))::bigint
+             FROM pgbus.leader AS l)
         END;
 END
 $$;
 REVOKE EXECUTE ON FUNCTION pgbus.beat(text, bigint, text[], text, boolean, bigint) FROM PUBLIC;
 
--- Removes a bus from pgbus.consumers at its shutdown, and gives up its leadership with a
--- notification ('leader' on the bus's channel), so a follower takes over at once instead
--- of when the leadership runs out. Returns whether its row was there.
+-- Gives up the bus's leadership, if it holds it, with a notification ('leader' on the
+-- bus's channel), so a follower takes over at once instead of when the leadership runs
+-- out. A bus calls it as its shutdown begins. Returns whether it led.
+CREATE OR REPLACE FUNCTION pgbus.resign(p_id text) RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp AS $$
+BEGIN
+    DELETE FROM pgbus.leader WHERE worker = p_id;
+    IF FOUND THEN
+        PERFORM pg_notify('pgbus', 'leader');
+        RETURN true;
+    END IF;
+    RETURN false;
+END
+$$;
+REVOKE EXECUTE ON FUNCTION pgbus.resign(text) FROM PUBLIC;
+
+-- Removes a bus from pgbus.consumers at its shutdown, and gives up its leadership if it
+-- still holds it (pgbus.resign). Returns whether its row was there.
 CREATE OR REPLACE FUNCTION pgbus.leave(p_id text) RETURNS boolean
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pgbus, pg_temp AS $$
 DECLARE
@@ -71,10 +92,7 @@ DECLARE
 BEGIN
     DELETE FROM pgbus.consumers WHERE id = p_id;
     v_was := FOUND;
-    DELETE FROM pgbus.leader WHERE worker = p_id;
-    IF FOUND THEN
-        PERFORM pg_notify('pgbus', 'leader');
-    END IF;
+    PERFORM pgbus.resign(p_id);
     RETURN v_was;
 END
 $$;
@@ -93,6 +111,7 @@ BEGIN
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION pgbus.beat(text, bigint, text[], text, '
                        'boolean, bigint) TO %s', r.role);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION pgbus.resign(text) TO %s', r.role);
         EXECUTE format('GRANT SELECT ON pgbus.leader TO %s', r.role);
     END LOOP;
 END
@@ -118,6 +137,7 @@ BEGIN
                    'pgbus.heartbeat(text, bigint, text[], text, boolean), '
                    'pgbus.beat(text, bigint, text[], text, boolean, bigint), '
                    'pgbus.leave(text), '
+                   'pgbus.resign(text), '
                    'pgbus.join_subscription(text, text[], integer, boolean, text), '
                    'pgbus.sweep(bigint, integer, bigint) TO %s', consumer);
 END

@@ -282,10 +282,12 @@ impl Bus {
             worker: Arc::from(uuid::Uuid::now_v7().to_string()),
             subscriptions: self.subs.iter().map(|s| s.sub.name.clone()).collect(),
             poll_only: self.opts.poll_only,
-            leadership: self.opts.leader_lease,
+            // A dead leader's expired leases wait for its successor: never longer for
+            // the leadership than for a delivery lease.
+            leadership: self.opts.leader_lease.min(self.opts.lease),
         };
         // Registered before any task runs; the maintenance task runs for leadership.
-        consumer.beat(false).await?;
+        consumer.beat(false, &CancellationToken::new()).await?;
         let bus = self.spawn(consumer);
         tracing::info!(
             worker = %bus.parts.consumer.worker,
@@ -652,7 +654,9 @@ impl BusBuilder {
     /// leader renews it every third of this (and at least twice per
     /// [`lease`](Self::lease)); the others try to take it every 1.25 times this. A leader
     /// that shuts down hands over at once; one that dies is replaced within 2.25 times
-    /// this.
+    /// this. A [`lease`](Self::lease) shorter than this shortens the leadership to it,
+    /// so that the leases of a leader that died are reaped within the same order of
+    /// time as they run out.
     pub fn leader_lease(mut self, lease: Duration) -> Self {
         self.opts.leader_lease = lease;
         self

@@ -59,6 +59,8 @@ pub(crate) struct Beat {
     pub(crate) leads: bool,
     /// For a leader: how soon the earliest lease of any bus runs out.
     pub(crate) next_expiry: Option<Duration>,
+    /// For a follower: how soon the current leadership runs out.
+    pub(crate) leader_expiry: Option<Duration>,
 }
 
 /// The bus's row in `pgbus.consumers`.
@@ -74,8 +76,10 @@ pub(crate) struct Consumer {
 
 impl Consumer {
     /// Registers or renews the row and, with `lead`, runs for (or renews) the
-    /// maintenance leadership.
-    pub(crate) async fn beat(&self, lead: bool) -> Result<Beat> {
+    /// maintenance leadership. When `stop` fires first, the statement is cancelled on the
+    /// server (a beat can wait for a lock, holding the leader row) and the beat fails
+    /// with [`Error::Closed`].
+    pub(crate) async fn beat(&self, lead: bool, stop: &CancellationToken) -> Result<Beat> {
         let client = self.db.get().await?;
         let ttl_ms = consumer_ttl(self.leadership).as_millis() as i64;
         let lead_ms = lead.then(|| self.leadership.as_millis().max(1) as i64);
@@ -86,31 +90,53 @@ impl Consumer {
             std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown host".into())
         );
         let worker: &str = &self.worker;
+        let params: [&(dyn ToSql + Sync); 6] =
+            [&worker, &ttl_ms, &subs, &info, &self.poll_only, &lead_ms];
+        let query = self.db.query(
+            &client,
+            sql::CONSUMER_BEAT,
+            &[
+                Type::TEXT,
+                Type::INT8,
+                Type::TEXT_ARRAY,
+                Type::TEXT,
+                Type::BOOL,
+                Type::INT8,
+            ],
+            &params,
+        );
         let rows = self
             .db
-            .query(
-                &client,
-                sql::CONSUMER_BEAT,
-                &[
-                    Type::TEXT,
-                    Type::INT8,
-                    Type::TEXT_ARRAY,
-                    Type::TEXT,
-                    Type::BOOL,
-                    Type::INT8,
-                ],
-                &[&worker, &ttl_ms, &subs, &info, &self.poll_only, &lead_ms],
-            )
-            .await?;
+            .unless_stopped(&client, stop, query)
+            .await
+            .ok_or(Error::Closed)??;
         let row = rows
             .first()
             .ok_or(Error::Unexpected("the consumer beat returned no row"))?;
         let next_expiry: Option<i64> = row.try_get("next_expiry_ms")?;
+        let leader_expiry: Option<i64> = row.try_get("leader_expiry_ms")?;
         Ok(Beat {
+            leader_expiry: leader_expiry.map(|ms| Duration::from_millis(ms.max(0) as u64)),
             missing: row.try_get("missing")?,
             leads: row.try_get("leads")?,
             next_expiry: next_expiry.map(|ms| Duration::from_millis(ms.max(0) as u64)),
         })
+    }
+
+    /// Gives up the leadership, if this bus holds it (as its shutdown begins); cancelled
+    /// on the server when `stop` fires first.
+    pub(crate) async fn resign(&self, stop: &CancellationToken) -> Result<()> {
+        let client = self.db.get().await?;
+        let worker: &str = &self.worker;
+        let params: [&(dyn ToSql + Sync); 1] = [&worker];
+        let query = self
+            .db
+            .query(&client, sql::LEADER_RESIGN, &[Type::TEXT], &params);
+        self.db
+            .unless_stopped(&client, stop, query)
+            .await
+            .ok_or(Error::Closed)??;
+        Ok(())
     }
 
     /// Removes the row (at shutdown).
@@ -213,18 +239,31 @@ impl Maintainer {
                 .fold(next_beat, Instant::min);
             tokio::select! {
                 _ = stop.cancelled() => return,
+                // Stopping: hand the leadership over now, not when it runs out (the duty
+                // in flight was cancelled before this branch can run).
+                _ = self.shutdown.stopping(), if leading => {
+                    if let Err(e) = self.consumer.resign(&stop).await {
+                        tracing::debug!(error = %e, "pgbus could not resign the maintenance leadership");
+                    }
+                    if stop.is_cancelled() {
+                        return;
+                    }
+                    lead_until = None;
+                }
                 _ = extend.tick() => self.extend(&stop).await,
                 _ = self.wake.leader_left(), if !leading => next_beat = Instant::now(),
                 _ = tokio::time::sleep_until(until) => {
                     let now = Instant::now();
                     if now >= next_beat {
                         let sent = Instant::now();
-                        let beat = tokio::select! {
-                            r = self.consumer.beat(!self.shutdown.is_stopping()) => r,
-                            _ = stop.cancelled() => return,
-                        };
+                        let beat = self.consumer.beat(!self.shutdown.is_stopping(), &stop).await;
+                        if stop.is_cancelled() {
+                            return;
+                        }
+                        let mut leader_expiry = None;
                         match beat {
                             Ok(beat) => {
+                                leader_expiry = beat.leader_expiry;
                                 self.note_dropped(beat.missing);
                                 if beat.leads {
                                     lead_until = Some(sent + self.consumer.leadership);
@@ -242,8 +281,16 @@ impl Maintainer {
                             Err(e) => tracing::debug!(error = %e, "pgbus consumer beat failed"),
                         }
                         let leads = lead_until.is_some();
-                        next_beat = Instant::now()
-                            + beat_interval(leads, self.consumer.leadership, self.schedule.lease);
+                        let mut wait =
+                            beat_interval(leads, self.consumer.leadership, self.schedule.lease);
+                        // A leadership shorter than this bus's own (another bus's shorter
+                        // lease, or a leader that stopped renewing): run for it as it ends.
+                        if let Some(left) = leader_expiry
+                            && left < self.consumer.leadership / 2
+                        {
+                            wait = wait.min(left + Duration::from_millis(10));
+                        }
+                        next_beat = Instant::now() + wait;
                     } else if active && let Some(d) = duties.as_mut() {
                         self.run_due(d, now).await;
                     }

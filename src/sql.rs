@@ -252,9 +252,10 @@ pub const CONSUMER_HEARTBEAT: &str = "SELECT pgbus.heartbeat($1, $2, $3, $4, $5)
 ///
 /// Returns one row: `missing` (as [`CONSUMER_HEARTBEAT`]), `leads`, whether this bus now
 /// leads, and `next_expiry_ms`, for a leader the milliseconds until the earliest lease of
-/// any bus runs out (NULL when none is leased or the bus does not lead).
-pub const CONSUMER_BEAT: &str =
-    "SELECT missing, leads, next_expiry_ms FROM pgbus.beat($1, $2, $3, $4, $5, $6)";
+/// any bus runs out (NULL when none is leased or the bus does not lead), and
+/// `leader_expiry_ms`, for a follower the milliseconds until the leadership runs out.
+pub const CONSUMER_BEAT: &str = "SELECT missing, leads, next_expiry_ms, leader_expiry_ms
+     FROM pgbus.beat($1, $2, $3, $4, $5, $6)";
 
 /// Marks this bus asleep: from now on publishers notify it. Parameter: `$1 text` worker id.
 ///
@@ -269,6 +270,11 @@ pub const CONSUMER_SLEEP: &str = "SELECT pgbus.mark_asleep($1)";
 /// Removes this bus from `pgbus.consumers` at shutdown (`pgbus.leave`, with the owner's
 /// rights). Parameter: `$1 text` worker id. Returns one row: `left`, whether it was there.
 pub const CONSUMER_REMOVE: &str = "SELECT pgbus.leave($1) AS left";
+
+/// Gives up the maintenance leadership as the bus's shutdown begins (`pgbus.resign`, with
+/// the owner's rights; it notifies the followers). Parameter: `$1 text` worker id.
+/// Returns one row: `resigned`, whether this bus led.
+pub const LEADER_RESIGN: &str = "SELECT pgbus.resign($1) AS resigned";
 
 // ---- Operating the bus (crate::admin) ----
 
@@ -810,6 +816,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("BACKLOG_LIVE", BACKLOG_LIVE),
     ("CONSUMER_SLEEP", CONSUMER_SLEEP),
     ("CONSUMER_REMOVE", CONSUMER_REMOVE),
+    ("LEADER_RESIGN", LEADER_RESIGN),
     ("BACKLOG", BACKLOG),
     ("STATUS_SUBSCRIPTIONS", STATUS_SUBSCRIPTIONS),
     ("STATUS_CLUSTER", STATUS_CLUSTER),

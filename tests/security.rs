@@ -773,6 +773,7 @@ const CONSUMER: &[&str] = &[
     "mark_asleep() EXECUTE",
     "promote_orphans() EXECUTE",
     "reap() EXECUTE",
+    "resign() EXECUTE",
     "schema USAGE",
     "settings SELECT",
     "settle() EXECUTE",

@@ -67,15 +67,21 @@ async fn a_bus_without_retention_never_sweeps() {
         .handler_fn("h", ["x.*"], |_| async { Ok(()) })
         .retention(None)
         .poll_interval(Duration::from_millis(50))
+        .idle_poll_interval(Duration::from_millis(50))
         .build()
         .unwrap()
         .start()
         .await
         .unwrap();
-    // Several maintenance ticks pass: their reaps are visible as statements run.
-    let reaps = running.stats().claims;
+    // The bus leads and ran its first duties (a reap, then the sweep would be next),
+    // and several poll ticks pass.
+    common::wait_for("the leader's first reap", WAIT, || async {
+        running.stats().reaps >= 1
+    })
+    .await;
+    let claims = running.stats().claims;
     common::wait_for("a few poll ticks", WAIT, || async {
-        running.stats().claims >= reaps + 3
+        running.stats().claims >= claims + 3
     })
     .await;
     running.shutdown().await.unwrap();
