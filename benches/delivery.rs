@@ -84,6 +84,7 @@ fn claim(c: &mut Criterion) {
                                     &"bench-worker",
                                     &i32::MAX,
                                     &(pgbus::DEFAULT_CLAIM_BYTES as i64),
+                                    &Vec::<Option<chrono::DateTime<chrono::Utc>>>::new(),
                                 ],
                             )
                             .await

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use futures::Stream;
 use tokio::time::Instant;
 use tokio_postgres::Row;
@@ -47,6 +48,10 @@ const RECHECKS: [Duration; 3] = [
 ];
 /// The longest wait [`due_in`] returns: the claimer waits at most its poll interval anyway.
 const MAX_DUE: f64 = 86_400.0;
+/// How often a claim goes without floors (and at start): it finds a delivery that a writer
+/// slower than the floors' margin left below one (`sql::CLAIM`). Behind a long transaction
+/// it walks every index entry left since that began, once in this interval.
+const WHOLE_SCAN: Duration = Duration::from_secs(30);
 
 /// The claimer's settings (see the setters of [`BusBuilder`](crate::BusBuilder)).
 #[derive(Debug, Clone)]
@@ -95,6 +100,8 @@ struct Claimed {
     next_due: Option<Duration>,
     /// Whether the byte budget left due deliveries behind.
     cut: bool,
+    /// The next claim's floors, in the order of the subscriptions asked for.
+    floors: Vec<Option<DateTime<Utc>>>,
 }
 
 /// What the claimer decides its next wait from: the last claim, asked and got.
@@ -123,6 +130,11 @@ struct State {
     /// Whether the pending claim was woken by the poll timer.
     by_poll: bool,
     round: Option<Round>,
+    /// Per subscription, where its next claim's scan starts (`sql::CLAIM`'s `$8`); none
+    /// for a subscription not claimed yet.
+    floors: HashMap<Arc<str>, DateTime<Utc>>,
+    /// When the last claim without floors ran.
+    whole_scan: Option<Instant>,
 }
 
 impl Claimer {
@@ -139,6 +151,8 @@ impl Claimer {
                 warn: WarnGate::default(),
                 by_poll: false,
                 round: None,
+                floors: HashMap::new(),
+                whole_scan: None,
             };
             while let Some(batch) = self.next(&mut state).await {
                 for delivery in batch {
@@ -168,7 +182,19 @@ impl Claimer {
                 }
             };
             let started = Instant::now();
-            let claimed = match self.claim(&ask).await {
+            let whole = state.whole_scan.is_none_or(|at| at.elapsed() >= WHOLE_SCAN);
+            let floors: Vec<Option<DateTime<Utc>>> = ask
+                .quotas
+                .iter()
+                .map(|(name, _)| {
+                    if whole {
+                        None
+                    } else {
+                        state.floors.get(name).copied()
+                    }
+                })
+                .collect();
+            let claimed = match self.claim(&ask, &floors).await {
                 Ok(claimed) => claimed,
                 Err(e) => {
                     let delay = self.claim_failed(state, &e);
@@ -178,6 +204,15 @@ impl Claimer {
                     }
                 }
             };
+            if whole {
+                state.whole_scan = Some(started);
+            }
+            for ((name, _), floor) in ask.quotas.iter().zip(&claimed.floors) {
+                match floor {
+                    Some(floor) => state.floors.insert(name.clone(), *floor),
+                    None => state.floors.remove(name),
+                };
+            }
             let round = self.record(state, &ask, &claimed, started.elapsed());
             state.round = Some(round);
             if !claimed.deliveries.is_empty() {
@@ -353,7 +388,7 @@ impl Claimer {
     }
 
     /// Runs one claim statement and takes its rows.
-    async fn claim(&self, ask: &Ask) -> Result<Claimed> {
+    async fn claim(&self, ask: &Ask, floors: &[Option<DateTime<Utc>>]) -> Result<Claimed> {
         // `claim`, without a destination: one claim serves every subscription of the bus.
         let span = tracing::debug_span!(
             "pgbus.claim",
@@ -365,7 +400,10 @@ impl Claimer {
             messaging.batch.message_count = tracing::field::Empty,
             pgbus.requested = ask.free as i64,
         );
-        let rows = self.claim_rows(ask).instrument(span.clone()).await?;
+        let rows = self
+            .claim_rows(ask, floors)
+            .instrument(span.clone())
+            .await?;
         let claimed = self.take(rows);
         // As an i64: the OpenTelemetry layer records a u64 as text.
         span.record(
@@ -375,7 +413,7 @@ impl Claimer {
         Ok(claimed)
     }
 
-    async fn claim_rows(&self, ask: &Ask) -> Result<Vec<Row>> {
+    async fn claim_rows(&self, ask: &Ask, floors: &[Option<DateTime<Utc>>]) -> Result<Vec<Row>> {
         let client = self.db.get().await?;
         let names: Vec<&str> = ask.quotas.iter().map(|(n, _)| &**n).collect();
         let limits: Vec<i32> = ask.quotas.iter().map(|(_, q)| *q as i32).collect();
@@ -388,8 +426,8 @@ impl Claimer {
             AWAKE_THRESHOLD
         };
         let worker: &str = &self.worker;
-        let params: [&(dyn ToSql + Sync); 7] = [
-            &names, &limits, &total, &lease_ms, &worker, &threshold, &budget,
+        let params: [&(dyn ToSql + Sync); 8] = [
+            &names, &limits, &total, &lease_ms, &worker, &threshold, &budget, &floors,
         ];
         let work = self
             .db
@@ -413,6 +451,9 @@ impl Claimer {
                 claimed.next_due = due_in(secs);
             }
             claimed.cut |= row.try_get::<_, bool>("cut").unwrap_or(false);
+            if claimed.floors.is_empty() {
+                claimed.floors = row.try_get("floors").unwrap_or_default();
+            }
             if let Some((sub, delivery)) = self.take_row(&row) {
                 *claimed.per_sub.entry(sub).or_default() += 1;
                 claimed.deliveries.extend(delivery);

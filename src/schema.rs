@@ -145,6 +145,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "elected_maintenance",
         sql: include_str!("../sql/0023_elected_maintenance.sql"),
     },
+    Migration {
+        version: 24,
+        name: "claim_floor",
+        sql: include_str!("../sql/0024_claim_floor.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

@@ -9,11 +9,18 @@
 /// Parameters: `$1 text[]` subscription names, `$2 int4[]` how many each may take now,
 /// `$3 int4` how many in all, `$4 int8` lease in milliseconds, `$5 text` worker id,
 /// `$6 int4` the batch size from which the worker marks itself awake (cost-aware notify),
-/// `$7 int8` the byte budget of the claim.
+/// `$7 int8` the byte budget of the claim, `$8 timestamptz[]` each subscription's floor
+/// (NULL: none).
 ///
-/// One index range scan per subscription (`deliveries_claim_idx`) picks the oldest due
-/// pending rows with `FOR UPDATE SKIP LOCKED`, so the cost is O(batch) whatever the
-/// backlog, and one subscription's backlog never slows another's. Attempts count claims.
+/// One index range scan per subscription (`deliveries_ready_idx`) picks the pending rows
+/// that became claimable first (`ready_at`, migration 24), from the subscription's floor
+/// on, with `FOR UPDATE SKIP LOCKED`, so the cost is O(batch) whatever the backlog, and
+/// one subscription's backlog never slows another's. The floor keeps the scan off the
+/// index entries of deliveries claimed since the oldest open transaction began (which no
+/// vacuum may remove while it runs): every claimable delivery has `ready_at` at or above
+/// it, and `floors` (every row) gives the next claim's, in `$1`'s order: five seconds
+/// before this claim when it took everything it found for the subscription, the oldest
+/// it took when it was full, the same floor when it took none. Attempts count claims.
 /// Only heads are claimable: every delivery of an unordered subscription, and the oldest
 /// unfinished delivery of each key of an ordered one.
 ///
@@ -42,20 +49,26 @@
 /// fail every claim of its subscription. One of `-infinity` is due at once, first.
 pub const CLAIM: &str = "\
 WITH subs AS (
-  SELECT * FROM unnest($1::text[], $2::int4[]) AS s(name, quota)
+  SELECT * FROM unnest($1::text[], $2::int4[], $8::timestamptz[]) WITH ORDINALITY
+    AS s(name, quota, floor, ord)
 ),
-picked AS (
-  SELECT p.row_id, p.subscription, p.event_seq, p.available_at
+candidates AS (
+  SELECT p.row_id, p.subscription, p.event_seq, p.ready_at
   FROM subs CROSS JOIN LATERAL (
-    SELECT d.ctid AS row_id, d.subscription, d.event_seq, d.available_at
+    SELECT d.ctid AS row_id, d.subscription, d.event_seq, d.ready_at
     FROM pgbus.deliveries AS d
     WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
+      AND d.ready_at >= coalesce(subs.floor, '-infinity')
+      AND d.ready_at <= now() + interval '1 second'
       AND d.available_at <= now()
-    ORDER BY d.available_at, d.event_seq
+    ORDER BY d.ready_at, d.event_seq
     LIMIT subs.quota
     FOR UPDATE SKIP LOCKED
   ) AS p
-  ORDER BY p.available_at, p.event_seq
+),
+picked AS (
+  SELECT c.row_id, c.subscription, c.event_seq, c.ready_at FROM candidates AS c
+  ORDER BY c.ready_at, c.event_seq
   LIMIT $3
 ),
 sized AS (
@@ -64,7 +77,7 @@ sized AS (
          sum(coalesce((SELECT pg_column_size(e.payload)::int8 + pg_column_size(e.headers)
                        FROM pgbus.events AS e WHERE e.seq = p.event_seq), 0)) OVER w AS bytes
   FROM picked AS p
-  WINDOW w AS (ORDER BY p.available_at, p.event_seq, p.subscription
+  WINDOW w AS (ORDER BY p.ready_at, p.event_seq, p.subscription
                ROWS UNBOUNDED PRECEDING)
 ),
 kept AS (
@@ -77,12 +90,29 @@ claimed AS (
       locked_until = now() + $4 * interval '1 millisecond',
       locked_by = $5
   WHERE d.ctid = ANY (ARRAY(SELECT row_id FROM kept))
-  RETURNING d.subscription, d.event_seq, d.attempts, d.available_at
+  RETURNING d.subscription, d.event_seq, d.attempts, d.available_at, d.ready_at
 ),
 awake AS (
   UPDATE pgbus.consumers SET awake = true
   WHERE id = $5 AND NOT awake AND (SELECT count(*) FROM claimed) >= $6
   RETURNING 1
+),
+whole AS (
+  SELECT (SELECT count(*) FROM candidates) = (SELECT count(*) FROM kept) AS took_all
+),
+floors AS (
+  SELECT array_agg(
+           CASE WHEN whole.took_all
+                     AND (SELECT count(*) FROM candidates AS c
+                          WHERE c.subscription = subs.name) < subs.quota
+                  THEN now() - interval '5 seconds'
+                WHEN EXISTS (SELECT 1 FROM claimed AS c WHERE c.subscription = subs.name)
+                  THEN least((SELECT min(c.ready_at) FROM claimed AS c
+                              WHERE c.subscription = subs.name),
+                             now() - interval '5 seconds')
+                ELSE subs.floor
+           END ORDER BY subs.ord) AS floors
+  FROM subs CROSS JOIN whole
 ),
 next_due AS (
   SELECT extract(epoch FROM min(n.available_at) - now())::float8 AS secs
@@ -99,8 +129,9 @@ SELECT next_due.secs, c.subscription, c.attempts,
        e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
        e.headers, e.created_at, e.ordering_key,
        (extract(epoch FROM now()) - extract(epoch FROM c.available_at))::float8 AS waited,
-       (SELECT count(*) FROM sized) > (SELECT count(*) FROM kept) AS cut
-FROM next_due
+       (SELECT count(*) FROM sized) > (SELECT count(*) FROM kept) AS cut,
+       floors.floors
+FROM next_due CROSS JOIN floors
 LEFT JOIN (claimed AS c JOIN pgbus.events AS e ON e.seq = c.event_seq) ON true
 ORDER BY e.seq";
 
@@ -108,10 +139,10 @@ ORDER BY e.seq";
 /// 11), whose body is that statement (a test checks they are the same) and which runs it
 /// with a generic plan (`plan_cache_mode = force_generic_plan`), cached for the session by
 /// PL/pgSQL: no planning per claim, pooler or not. Parameters and rows as [`CLAIM`]'s.
-pub const CLAIM_CALL: &str = "SELECT * FROM pgbus.claim($1, $2, $3, $4, $5, $6, $7)";
+pub const CLAIM_CALL: &str = "SELECT * FROM pgbus.claim($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// The parameter types of [`CLAIM`] and [`CLAIM_CALL`], for preparing them.
-pub const CLAIM_TYPES: [tokio_postgres::types::Type; 7] = [
+pub const CLAIM_TYPES: [tokio_postgres::types::Type; 8] = [
     tokio_postgres::types::Type::TEXT_ARRAY,
     tokio_postgres::types::Type::INT4_ARRAY,
     tokio_postgres::types::Type::INT4,
@@ -119,6 +150,7 @@ pub const CLAIM_TYPES: [tokio_postgres::types::Type; 7] = [
     tokio_postgres::types::Type::TEXT,
     tokio_postgres::types::Type::INT4,
     tokio_postgres::types::Type::INT8,
+    tokio_postgres::types::Type::TIMESTAMPTZ_ARRAY,
 ];
 
 /// Settles many deliveries in one statement: completions, failures and releases.

@@ -52,6 +52,7 @@ async fn claim(client: &Client, budget: i64) -> (usize, bool) {
                 &"w",
                 &4_i32,
                 &budget,
+                &Vec::<Option<chrono::DateTime<chrono::Utc>>>::new(),
             ],
         )
         .await
@@ -60,7 +61,7 @@ async fn claim(client: &Client, budget: i64) -> (usize, bool) {
         .iter()
         .filter(|r| r.get::<_, Option<&str>>(1).is_some())
         .count();
-    let cut: bool = rows[0].get(rows[0].len() - 1);
+    let cut: bool = rows[0].get("cut");
     (claimed, cut)
 }
 
@@ -198,6 +199,7 @@ async fn the_budget_reads_sizes_by_primary_key_and_the_claim_keeps_its_index() {
                 &"w",
                 &4_i32,
                 &(pgbus::DEFAULT_CLAIM_BYTES as i64),
+                &Vec::<Option<chrono::DateTime<chrono::Utc>>>::new(),
             ],
         )
         .await
@@ -205,7 +207,7 @@ async fn the_budget_reads_sizes_by_primary_key_and_the_claim_keeps_its_index() {
     let plan: serde_json::Value = rows[0].get(0);
     let text = plan.to_string();
     assert!(
-        text.contains("\"Index Name\":\"deliveries_claim_idx\""),
+        text.contains("\"Index Name\":\"deliveries_ready_idx\""),
         "the claim does not use its index: {text}"
     );
     assert!(

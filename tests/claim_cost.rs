@@ -34,7 +34,7 @@ async fn publish_many(client: &tokio_postgres::Client, name: &str, n: i64) {
 struct Buffers {
     /// By the whole claim statement's execution.
     statement: i64,
-    /// By its choice of deliveries (the `picked` CTE: the index scan and row locks), where
+    /// By its choice of deliveries (the `candidates` CTE: the index scan and row locks), where
     /// a backlog would show first.
     picking: i64,
 }
@@ -60,6 +60,7 @@ async fn claim_buffers(client: &mut tokio_postgres::Client, sub: &str) -> Buffer
                 &"w",
                 &4_i64,
                 &i64::MAX,
+                &Vec::<Option<chrono::DateTime<chrono::Utc>>>::new(),
             ],
         )
         .await
@@ -71,8 +72,8 @@ async fn claim_buffers(client: &mut tokio_postgres::Client, sub: &str) -> Buffer
     let top = &plan[0]["Plan"];
     let picked = top["Plans"]
         .as_array()
-        .and_then(|plans| plans.iter().find(|p| p["Subplan Name"] == "CTE picked"))
-        .unwrap_or_else(|| panic!("no CTE picked in {plan}"));
+        .and_then(|plans| plans.iter().find(|p| p["Subplan Name"] == "CTE candidates"))
+        .unwrap_or_else(|| panic!("no CTE candidates in {plan}"));
     Buffers {
         statement: blocks(top),
         picking: blocks(picked),
@@ -157,4 +158,100 @@ async fn another_subscriptions_backlog_does_not_make_a_claim_cost_more() {
     );
     let beside = claim_buffers(&mut client, "small").await;
     assert_flat("beside another's backlog", alone, beside);
+}
+
+/// Behind a transaction held open elsewhere, the index entries of the deliveries claimed
+/// since it began cannot be removed. A claim from its floor (the one the previous claim
+/// returned) does not walk them; one without a floor, as the bus runs every 30 s, does.
+#[tokio::test]
+async fn a_claim_from_its_floor_skips_what_was_claimed_behind_an_open_transaction() {
+    let db = common::test_db().await;
+    let mut client = db.connect().await;
+    pgbus::admin::register_subscription(&client, "s", &["*"], 25)
+        .await
+        .unwrap();
+    publish_many(&client, "x", 3_000).await;
+    // Claimable an hour ago (older than the floors' five-second margin), in event order:
+    // written with the trigger that stamps `ready_at` off.
+    client
+        .batch_execute(
+            "SET session_replication_role = replica; \
+             UPDATE pgbus.deliveries \
+             SET available_at = now() - interval '1 hour' + event_seq * interval '1 ms', \
+                 ready_at = now() - interval '1 hour' + event_seq * interval '1 ms'; \
+             RESET session_replication_role; ANALYZE pgbus.deliveries;",
+        )
+        .await
+        .unwrap();
+    let holder = db.connect().await;
+    holder
+        .batch_execute("BEGIN; SELECT pg_current_xact_id();")
+        .await
+        .unwrap();
+
+    let no_floor: Vec<Option<chrono::DateTime<chrono::Utc>>> = vec![None];
+    let mut floors = no_floor.clone();
+    for _ in 0..25 {
+        let rows = client
+            .query(
+                pgbus_testkit::sql::CLAIM,
+                &[
+                    &vec!["s"],
+                    &vec![CLAIM_BATCH as i32],
+                    &CLAIM_BATCH,
+                    &60_000_f64,
+                    &"w",
+                    &4_i64,
+                    &i64::MAX,
+                    &floors,
+                ],
+            )
+            .await
+            .unwrap();
+        assert_eq!(rows.len(), CLAIM_BATCH as usize);
+        floors = rows[0].get("floors");
+        assert!(floors[0].is_some(), "a full claim returns a floor");
+    }
+
+    let from_floor = claim_index_reads(&mut client, floors).await;
+    let whole = claim_index_reads(&mut client, no_floor).await;
+    println!(
+        "behind an open transaction: {from_floor} index entries read from the floor, {whole} without"
+    );
+    assert!(
+        from_floor * 4 < whole,
+        "a claim from its floor reads {from_floor} index entries, one without {whole}"
+    );
+    holder.batch_execute("ROLLBACK").await.unwrap();
+}
+
+/// The entries of the claim index that the claim read from `floors` (the deliveries it
+/// claimed and every entry its scan passed on the way), with 2,500 of the subscription's
+/// deliveries claimed already, in a transaction rolled back.
+async fn claim_index_reads(
+    client: &mut tokio_postgres::Client,
+    floors: Vec<Option<chrono::DateTime<chrono::Utc>>>,
+) -> i64 {
+    let tx = client.transaction().await.unwrap();
+    let read = "SELECT pg_stat_get_xact_tuples_returned('pgbus.deliveries_ready_idx'::regclass)";
+    let before: i64 = tx.query_one(read, &[]).await.unwrap().get(0);
+    tx.query(
+        pgbus_testkit::sql::CLAIM,
+        &[
+            &vec!["s"],
+            &vec![CLAIM_BATCH as i32],
+            &CLAIM_BATCH,
+            &60_000_f64,
+            &"w",
+            &4_i64,
+            &i64::MAX,
+            &floors,
+        ],
+    )
+    .await
+    .unwrap();
+    let after: i64 = tx.query_one(read, &[]).await.unwrap().get(0);
+    assert_eq!(count_claimed(&tx, "s").await, 26 * CLAIM_BATCH);
+    tx.rollback().await.unwrap();
+    after - before
 }

@@ -1035,6 +1035,7 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
                     &"w",
                     &4_i64,
                     &i64::MAX,
+                    &Vec::<Option<chrono::DateTime<chrono::Utc>>>::new(),
                 ],
             )
             .await
@@ -1045,7 +1046,7 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
         assert!(
             nodes
                 .iter()
-                .any(|(_, _, index)| index == "deliveries_claim_idx"),
+                .any(|(_, _, index)| index == "deliveries_ready_idx"),
             "{sub}: the claim does not use its index: {nodes:?}"
         );
         assert!(
@@ -1061,7 +1062,7 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
     // 200,000 of "big"'s in every index but the claim's.
     client
         .batch_execute(&format!(
-            "PREPARE claim(text[], int4[], int4, int8, text, int4, int8) AS {}; \
+            "PREPARE claim(text[], int4[], int4, int8, text, int4, int8, timestamptz[]) AS {}; \
              SET plan_cache_mode = force_generic_plan",
             pgbus_testkit::sql::CLAIM
         ))
@@ -1070,7 +1071,7 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
     for sub in ["big", "small"] {
         let messages = client
             .simple_query(&format!(
-                "EXPLAIN (FORMAT JSON) EXECUTE claim('{{{sub}}}', '{{100}}', 100, 60000, 'w', 4, {})",
+                "EXPLAIN (FORMAT JSON) EXECUTE claim('{{{sub}}}', '{{100}}', 100, 60000, 'w', 4, {}, NULL)",
                 i64::MAX
             ))
             .await
@@ -1092,7 +1093,9 @@ async fn the_claim_uses_its_index_whatever_the_backlog() {
         assert!(
             on_deliveries
                 .iter()
-                .all(|(kind, _, index)| kind == "Tid Scan" || index == "deliveries_claim_idx"),
+                .all(|(kind, _, index)| kind == "Tid Scan"
+                    || index == "deliveries_ready_idx"
+                    || index == "deliveries_claim_idx"),
             "{sub}: the generic plan reaches deliveries other than by the claim index and \
              the leased rows' ctids: {nodes:?}"
         );
@@ -1125,17 +1128,19 @@ async fn the_claim_function_runs_the_claim_statement() {
         }
     };
     let squash = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
-    let (wrapper, _) = function("pgbus.claim(text[], int4[], int4, int8, text, int4, int8)").await;
+    let (wrapper, _) =
+        function("pgbus.claim(text[], int4[], int4, int8, text, int4, int8, timestamptz[])").await;
     let wrapper = squash(&wrapper);
     let cut = wrapper.find("PERFORM pgbus.fan_out_committed();");
     let run =
-        wrapper.find("RETURN QUERY SELECT * FROM pgbus.claim_due($1, $2, $3, $4, $5, $6, $7);");
+        wrapper.find("RETURN QUERY SELECT * FROM pgbus.claim_due($1, $2, $3, $4, $5, $6, $7, $8);");
     assert!(
         matches!((cut, run), (Some(c), Some(r)) if c < r),
         "pgbus.claim does not cut a batch and then claim:\n{wrapper}"
     );
     let (body, config) =
-        function("pgbus.claim_due(text[], int4[], int4, int8, text, int4, int8)").await;
+        function("pgbus.claim_due(text[], int4[], int4, int8, text, int4, int8, timestamptz[])")
+            .await;
     assert!(
         squash(&body).contains(&squash(pgbus_testkit::sql::CLAIM)),
         "pgbus.claim_due's body is not the CLAIM statement:\n{body}"

@@ -656,6 +656,7 @@ async fn ordered_claim_buffers(client: &mut tokio_postgres::Client) -> (i64, i64
                 &"w",
                 &4_i64,
                 &i64::MAX,
+                &Vec::<Option<chrono::DateTime<chrono::Utc>>>::new(),
             ],
         )
         .await
@@ -677,8 +678,8 @@ async fn ordered_claim_buffers(client: &mut tokio_postgres::Client) -> (i64, i64
     let top = &plan[0]["Plan"];
     let picked = top["Plans"]
         .as_array()
-        .and_then(|plans| plans.iter().find(|p| p["Subplan Name"] == "CTE picked"))
-        .unwrap_or_else(|| panic!("no CTE picked in {plan}"));
+        .and_then(|plans| plans.iter().find(|p| p["Subplan Name"] == "CTE candidates"))
+        .unwrap_or_else(|| panic!("no CTE candidates in {plan}"));
     (blocks(top), blocks(picked), plan.to_string())
 }
 

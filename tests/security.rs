@@ -761,6 +761,8 @@ const CONSUMER: &[&str] = &[
     "ack_in() EXECUTE",
     "beat() EXECUTE",
     "claim() EXECUTE",
+    // With floors (migration 24), and without (a bus of the previous release).
+    "claim() EXECUTE",
     "consumers SELECT",
     "deliveries SELECT",
     "delivery_failures SELECT",
