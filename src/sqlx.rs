@@ -1,4 +1,5 @@
-//! Publishing and migrating through sqlx (the `sqlx` Cargo feature).
+//! Publishing, migrating and completing deliveries through sqlx (the `sqlx` Cargo
+//! feature).
 //!
 //! A service built on sqlx publishes its events in its own sqlx transaction, with the
 //! business writes: [`publish`] and [`publish_batch`] take any sqlx PostgreSQL executor
@@ -8,7 +9,11 @@
 //! the same [`Error::Invalid`] and leaves the transaction usable), the same idempotency
 //! ([`Published::Duplicate`] for an identical event with the same id, [`Error::Conflict`]
 //! for different content, writing nothing). [`migrate`] applies the same migrations as
-//! [`crate::migrate`], under the same lock and checks.
+//! [`crate::migrate`], under the same lock and checks. On the consuming side, [`ack_in`]
+//! completes a handler's delivery inside the handler's own sqlx transaction
+//! ([`Context::ack_in`] through sqlx), and [`ack_delivery_in`] a stream's
+//! [`Delivery`] ([`Delivery::ack_in`]), so that a projection written with the service's
+//! own pool and its completion commit together.
 //!
 //! ```toml
 //! # A clone of pgbus by path until it is released; then: version = "0.1"
@@ -49,15 +54,15 @@ use ::sqlx::query::Query;
 use ::sqlx::{Acquire, Connection, PgExecutor, Postgres, Row as _, Transaction};
 use tracing::Instrument;
 
-#[cfg(doc)]
-use crate::error::Error;
-use crate::error::Result;
+use crate::context::Context;
+use crate::delivery::Delivery;
+use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::publish::{Published, Publisher, batch_published, batch_span, publish_span, published};
 use crate::schema::{
     CURRENT_ROLE, Migration, RECORD, RECORDED, SERVER, Session, SessionTx, UNSAFE_OBJECTS,
 };
-use crate::sql::{PUBLISH_BATCH, PUBLISH_EVENT};
+use crate::sql::{ACK_IN, PUBLISH_BATCH, PUBLISH_EVENT};
 
 pub use crate::error::SqlxError;
 
@@ -164,6 +169,97 @@ async fn send<'c, E: PgExecutor<'c>>(
 ) -> Result<(i64, Option<String>)> {
     let row = query.fetch_one(executor).instrument(span).await?;
     Ok((row.try_get("inserted")?, row.try_get("conflict")?))
+}
+
+/// Completes a handler's delivery inside the handler's own sqlx transaction:
+/// [`Context::ack_in`] for sqlx. `tx` is `&mut tx` for a `sqlx::Transaction` (its
+/// connection); its writes and the completion commit together, or neither does. The bus
+/// then does not acknowledge the delivery again when the handler returns `Ok`.
+///
+/// The same statement and the same semantics as [`Context::ack_in`], sent unnamed: fenced
+/// by the lease, for an ordered subscription it hands the key on once `tx` commits, and
+/// `tx` must be `READ COMMITTED` (PostgreSQL's default). If `tx` rolls back after this,
+/// return an error from the handler (returning a failed `commit`'s error with `?` does):
+/// the bus retries the delivery after its backoff.
+///
+/// ```no_run
+/// use pgbus::{Context, Event, HandlerError};
+///
+/// async fn project(pool: sqlx::PgPool, event: Event, cx: Context) -> Result<(), HandlerError> {
+///     let mut tx = pool.begin().await?;
+///     sqlx::query("INSERT INTO order_totals (order_id, total) VALUES ($1, $2)")
+///         .bind(event.payload["order_id"].as_i64())
+///         .bind(event.payload["total"].as_i64())
+///         .execute(&mut *tx)
+///         .await?;
+///     pgbus::sqlx::ack_in(&mut tx, &cx).await?; // a lost lease fails here
+///     tx.commit().await?;
+///     Ok(())
+/// }
+/// # let _ = project;
+/// ```
+///
+/// # Errors
+///
+/// [`Error::LeaseLost`] when the lease was lost (the delivery was reaped and perhaps
+/// claimed again elsewhere): the statement's error has aborted `tx`, so its writes cannot
+/// commit. [`Error::Sqlx`] otherwise (also aborting `tx`, when PostgreSQL refused the
+/// statement).
+pub async fn ack_in(tx: &mut PgConnection, cx: &Context) -> Result<()> {
+    let (subscription, seq, attempt, worker) = cx.ack_in_args();
+    let ran = run_ack_in(tx, subscription, seq, attempt, worker).await;
+    cx.acked_in_by(ran)
+}
+
+/// Completes a stream's [`Delivery`] inside the application's own sqlx transaction:
+/// [`Delivery::ack_in`] for sqlx, with its semantics. `tx` is `&mut tx` for a
+/// `sqlx::Transaction`.
+///
+/// Once this returns `Ok`, the delivery no longer counts against the bus's capacity and
+/// its lease is no longer extended. If `tx` then commits, the delivery is complete; if it
+/// rolls back, the delivery stays leased until its lease runs out and is then delivered
+/// again.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool, d: pgbus::Delivery) -> Result<(), Box<dyn std::error::Error>> {
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("INSERT INTO audit (event_id) VALUES ($1)")
+///     .bind(&d.event().id)
+///     .execute(&mut *tx)
+///     .await?;
+/// pgbus::sqlx::ack_delivery_in(&mut tx, d).await?;
+/// tx.commit().await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::LeaseLost`] when the lease had been lost: nothing changed, and `tx` is
+/// aborted. Another error ([`Error::Sqlx`]) fails the attempt as
+/// [`Delivery::fail`] would, and the delivery is retried after its backoff.
+pub async fn ack_delivery_in(tx: &mut PgConnection, delivery: Delivery) -> Result<()> {
+    let (subscription, seq, attempt, worker) = delivery.ack_in_args();
+    let ran = run_ack_in(tx, subscription, seq, attempt, worker).await;
+    delivery.acked_in_by(ran)
+}
+
+/// Sends the `pgbus.ack_in` statement ([`ACK_IN`]) in `tx`.
+async fn run_ack_in(
+    tx: &mut PgConnection,
+    subscription: &str,
+    seq: i64,
+    attempt: i32,
+    worker: &str,
+) -> Result<()> {
+    statement(ACK_IN)
+        .bind(subscription)
+        .bind(seq)
+        .bind(attempt)
+        .bind(worker)
+        .execute(tx)
+        .await
+        .map_err(Error::from)?;
+    Ok(())
 }
 
 /// Applies the migrations this database lacks and returns those it applied (empty when

@@ -623,3 +623,287 @@ fn the_test_kits_url_reads_back_the_same_settings_in_both_drivers() {
         );
     }
 }
+
+/// The test's projection table: one row per event, with the attempt that wrote it.
+async fn create_projection(client: &tokio_postgres::Client) {
+    client
+        .batch_execute("CREATE TABLE projection (event_id text PRIMARY KEY, attempt int NOT NULL)")
+        .await
+        .unwrap();
+}
+
+async fn projection_rows(client: &tokio_postgres::Client) -> Vec<(String, i32)> {
+    let sql = "SELECT event_id, attempt FROM projection ORDER BY event_id";
+    let rows = client.query(sql, &[]).await.unwrap();
+    rows.iter().map(|r| (r.get(0), r.get(1))).collect()
+}
+
+/// The delivery of the event `id`: status and attempts.
+async fn delivery_of(client: &tokio_postgres::Client, id: &str) -> Option<(String, i32)> {
+    client
+        .query_opt(
+            "SELECT d.status, d.attempts FROM pgbus.deliveries AS d
+             JOIN pgbus.events AS e ON e.seq = d.event_seq WHERE e.id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .map(|r| (r.get(0), r.get(1)))
+}
+
+/// Every failed attempt's error, in no particular order.
+async fn failures(client: &tokio_postgres::Client) -> Vec<String> {
+    let rows = client
+        .query("SELECT error FROM pgbus.delivery_failures", &[])
+        .await
+        .unwrap();
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
+/// A handler that writes its projection row through a sqlx pool and completes its
+/// delivery in the same sqlx transaction; on attempt 1 of an event whose payload says so,
+/// it rolls back instead (after `ack_in`) and fails.
+fn sqlx_projector(
+    pool: PgPool,
+    calls: tokio::sync::mpsc::UnboundedSender<(String, i32)>,
+) -> impl Fn(
+    Event,
+    pgbus::Context,
+) -> futures::future::BoxFuture<'static, Result<(), pgbus::HandlerError>>
++ Send
++ Sync
++ 'static {
+    move |event: Event, cx: pgbus::Context| {
+        let pool = pool.clone();
+        let calls = calls.clone();
+        Box::pin(async move {
+            let _ = calls.send((event.id.clone(), cx.attempt()));
+            let mut tx = pool.begin().await?;
+            sqlx::query("INSERT INTO projection (event_id, attempt) VALUES ($1, $2)")
+                .bind(&event.id)
+                .bind(cx.attempt())
+                .execute(&mut *tx)
+                .await?;
+            pgbus::sqlx::ack_in(&mut tx, &cx).await?;
+            if event.payload["roll_back_first"] == json!(true) && cx.attempt() == 1 {
+                tx.rollback().await?;
+                return Err(pgbus::HandlerError::new("rolled back on purpose"));
+            }
+            tx.commit().await?;
+            Ok(())
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_handlers_sqlx_ack_in_commits_with_its_projection_and_is_not_acked_again() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    create_projection(&client).await;
+    let (calls_tx, mut calls) = tokio::sync::mpsc::unbounded_channel();
+    let running = Bus::builder(db.config())
+        .handler_with_context(
+            "projection",
+            ["order.*"],
+            sqlx_projector(pool(&db).await, calls_tx),
+        )
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    pgbus::publish(&client, &Event::new("order.placed", json!({})).id("o1"))
+        .await
+        .unwrap();
+    common::wait_settled(&client, "the completion in the handler's transaction").await;
+    assert_eq!(projection_rows(&client).await, [("o1".to_string(), 1)]);
+    let stats = running.stats();
+    running.shutdown().await.unwrap();
+    // One call, one completion (the bus wrote no second acknowledgement, which would
+    // have been rejected as stale), no failure.
+    assert_eq!(calls.try_recv().unwrap(), ("o1".to_string(), 1));
+    assert!(
+        calls.try_recv().is_err(),
+        "the delivery was delivered again"
+    );
+    assert_eq!(
+        (stats.delivered, stats.stale_rejected, stats.failed),
+        (1, 0, 0)
+    );
+    assert!(failures(&client).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_handlers_sqlx_ack_in_rolled_back_leaves_no_row_and_the_delivery_comes_again() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    create_projection(&client).await;
+    let (calls_tx, mut calls) = tokio::sync::mpsc::unbounded_channel();
+    let running = Bus::builder(db.config())
+        .retry(pgbus::RetryPolicy::fixed(Duration::from_millis(10)))
+        // The retry must not wait for the lease: the handler's error brings it back.
+        .lease(Duration::from_secs(600))
+        .handler_with_context(
+            "projection",
+            ["order.*"],
+            sqlx_projector(pool(&db).await, calls_tx),
+        )
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    pgbus::publish(
+        &client,
+        &Event::new("order.placed", json!({"roll_back_first": true})).id("o1"),
+    )
+    .await
+    .unwrap();
+    let mut recv = async || {
+        common::within("a handler call", WAIT, calls.recv())
+            .await
+            .unwrap()
+    };
+    assert_eq!(recv().await, ("o1".to_string(), 1));
+    assert_eq!(recv().await, ("o1".to_string(), 2));
+    common::wait_settled(&client, "attempt 2's completion").await;
+    // Attempt 1's row rolled back with its completion; attempt 2's committed with its.
+    assert_eq!(projection_rows(&client).await, [("o1".to_string(), 2)]);
+    assert_eq!(failures(&client).await, ["rolled back on purpose"]);
+    running.shutdown().await.unwrap();
+}
+
+/// The next delivery of a stream, not settled.
+async fn next_delivery(stream: &mut Subscription) -> pgbus::Delivery {
+    common::within("a delivery", WAIT, stream.next())
+        .await
+        .expect("the stream ended")
+}
+
+#[tokio::test]
+async fn a_streams_sqlx_ack_in_commits_with_the_projection_or_after_a_rollback_comes_again() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    create_projection(&client).await;
+    let pool = pool(&db).await;
+    let mut bus = Bus::builder(db.config())
+        .poll_interval(Duration::from_millis(100))
+        .lease(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let mut stream = bus.subscribe("projection", ["order.*"]).unwrap();
+    let running = bus.start().await.unwrap();
+    pgbus::publish_batch(
+        &client,
+        &[
+            Event::new("order.placed", json!({})).id("kept"),
+            Event::new("order.placed", json!({})).id("rolled-back"),
+        ],
+    )
+    .await
+    .unwrap();
+    let mut held = std::collections::HashMap::new();
+    for _ in 0..2 {
+        let d = next_delivery(&mut stream).await;
+        held.insert(d.event().id.clone(), d);
+    }
+
+    let d = held.remove("kept").unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO projection VALUES ('kept', $1)")
+        .bind(d.attempt())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    pgbus::sqlx::ack_delivery_in(&mut tx, d).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(delivery_of(&client, "kept").await, None);
+
+    let d = held.remove("rolled-back").unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO projection VALUES ('rolled-back', 1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    pgbus::sqlx::ack_delivery_in(&mut tx, d).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(projection_rows(&client).await, [("kept".to_string(), 1)]);
+    // Still leased to this bus, no longer extended: it comes back once the lease ran out.
+    let again = next_delivery(&mut stream).await;
+    assert_eq!(
+        (again.event().id.as_str(), again.attempt()),
+        ("rolled-back", 2)
+    );
+    let errors = failures(&client).await;
+    assert_eq!(errors.len(), 1);
+    assert!(errors[0].starts_with("lease expired"), "{errors:?}");
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO projection VALUES ('rolled-back', 2)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    pgbus::sqlx::ack_delivery_in(&mut tx, again).await.unwrap();
+    tx.commit().await.unwrap();
+    common::wait_settled(&client, "both completions").await;
+    assert_eq!(
+        projection_rows(&client).await,
+        [("kept".to_string(), 1), ("rolled-back".to_string(), 2)]
+    );
+    assert_eq!(running.stats().delivered, 3);
+    running.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_sqlx_ack_in_on_a_lost_lease_fails_and_the_transaction_cannot_commit_its_writes() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    create_projection(&client).await;
+    let pool = pool(&db).await;
+    let mut bus = Bus::builder(db.config())
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let mut stream = bus.subscribe("projection", ["*"]).unwrap();
+    let running = bus.start().await.unwrap();
+    pgbus::publish(&client, &Event::new("x", json!({})).id("x"))
+        .await
+        .unwrap();
+    let stale = next_delivery(&mut stream).await;
+    assert_eq!(stale.attempt(), 1);
+
+    // The lease runs out; the reaper returns the delivery and it is claimed again.
+    client
+        .batch_execute("UPDATE pgbus.deliveries SET locked_until = now() - interval '1 second'")
+        .await
+        .unwrap();
+    let current = next_delivery(&mut stream).await;
+    assert_eq!(current.attempt(), 2);
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO projection VALUES ('x', 1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let result = pgbus::sqlx::ack_delivery_in(&mut tx, stale).await;
+    assert!(matches!(result, Err(Error::LeaseLost)), "{result:?}");
+    // The statement's error aborted the transaction: nothing it wrote can commit.
+    let more = sqlx::query("INSERT INTO projection VALUES ('y', 1)")
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::from);
+    assert_eq!(
+        more.unwrap_err().code(),
+        Some(&tokio_postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION)
+    );
+    let _ = tx.commit().await;
+    assert!(projection_rows(&client).await.is_empty());
+    // The current holder's lease is untouched.
+    assert_eq!(
+        delivery_of(&client, "x").await,
+        Some(("processing".to_string(), 2))
+    );
+    current.ack().await.unwrap();
+    common::wait_settled(&client, "the current holder's completion").await;
+    assert_eq!(running.stats().stale_rejected, 1);
+    running.shutdown().await.unwrap();
+}
