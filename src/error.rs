@@ -94,14 +94,14 @@ pub enum Error {
     #[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
     #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlx", feature = "sqlx-0_8"))))]
     #[error("{0}")]
-    Sqlx(#[source] crate::sqlx::SqlxError),
+    Sqlx(#[source] SqlxVariantError),
     /// As [`Error::Sqlx`], for a statement sent through sqlx 0.8
     /// ([`pgbus::sqlx08`](crate::sqlx08)) when both the `sqlx` and the `sqlx-0_8` features
     /// are on (with `sqlx-0_8` alone, sqlx 0.8's failures are [`Error::Sqlx`]).
     #[cfg(all(feature = "sqlx", feature = "sqlx-0_8"))]
     #[cfg_attr(docsrs, doc(cfg(all(feature = "sqlx", feature = "sqlx-0_8"))))]
     #[error("{0}")]
-    Sqlx08(#[source] crate::sqlx08::SqlxError),
+    Sqlx08(#[source] sqlx08::SqlxError),
     /// No connection could be taken from the bus's pool (none could be opened in time,
     /// or the pool is closed).
     #[error("connection pool error: {0}")]
@@ -650,6 +650,130 @@ impl From<deadpool_postgres::PoolError> for Error {
         }
     }
 }
+
+/// Defines `SqlxError` and `From<sqlx::Error> for Error` for one sqlx version's crate
+/// (`$driver`), whose failures are `Error::$variant`: one source for both versions.
+#[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
+macro_rules! sqlx_error {
+    ($driver:ident, $variant:ident) => {
+        use std::fmt;
+
+        use ::$driver as driver;
+        use tokio_postgres::error::SqlState;
+
+        use super::{Error, schema_missing};
+
+        /// Why a statement sent through sqlx failed ([`Error::Sqlx`]; `Error::Sqlx08` for
+        /// `pgbus::sqlx08` when both sqlx features are on): sqlx's own error, which is its
+        /// `source()`, and the SQLSTATE that [`Error::code`] gives.
+        #[derive(Debug)]
+        pub struct SqlxError {
+            error: driver::Error,
+            code: Option<SqlState>,
+        }
+
+        impl SqlxError {
+            /// sqlx's error.
+            pub fn get_ref(&self) -> &driver::Error {
+                &self.error
+            }
+
+            /// sqlx's error, taken out.
+            pub fn into_inner(self) -> driver::Error {
+                self.error
+            }
+
+            /// The SQLSTATE, where PostgreSQL refused the statement.
+            pub(crate) fn code(&self) -> Option<&SqlState> {
+                self.code.as_ref()
+            }
+
+            /// Whether the pgbus schema is missing or out of date in the database.
+            pub fn is_schema_missing(&self) -> bool {
+                let message = match &self.error {
+                    driver::Error::Database(db) => Some(db.message()),
+                    _ => None,
+                };
+                schema_missing(self.code.as_ref(), message)
+            }
+
+            /// As [`Error::is_connection`] for tokio-postgres: sqlx could not reach the server
+            /// (I/O, TLS, the protocol, a closed or exhausted pool), or PostgreSQL answered with
+            /// a connection exception (08) or is shutting down or starting up (57P).
+            pub(crate) fn is_connection(&self) -> bool {
+                match &self.error {
+                    driver::Error::Database(_) => self
+                        .code
+                        .as_ref()
+                        .is_some_and(|c| c.code().starts_with("08") || c.code().starts_with("57P")),
+                    driver::Error::Io(_)
+                    | driver::Error::Tls(_)
+                    | driver::Error::Protocol(_)
+                    | driver::Error::PoolTimedOut
+                    | driver::Error::PoolClosed
+                    | driver::Error::WorkerCrashed
+                    | driver::Error::BeginFailed => true,
+                    _ => false,
+                }
+            }
+        }
+
+        impl fmt::Display for SqlxError {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                if self.is_schema_missing() {
+                    f.write_str(
+                        "the pgbus schema is missing or out of date in this database: run `pgbus migrate`: ",
+                    )?;
+                } else {
+                    f.write_str("database error: ")?;
+                }
+                match (&self.error, &self.code) {
+                    (driver::Error::Database(db), Some(code)) => {
+                        write!(f, "{} (SQLSTATE {})", db.message(), code.code())
+                    }
+                    (e, _) => fmt::Display::fmt(e, f),
+                }
+            }
+        }
+
+        impl std::error::Error for SqlxError {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.error)
+            }
+        }
+
+        impl From<driver::Error> for Error {
+            fn from(error: driver::Error) -> Self {
+                let code = match &error {
+                    driver::Error::Database(db) => db.code().map(|c| SqlState::from_code(&c)),
+                    _ => None,
+                };
+                Error::$variant(SqlxError { error, code })
+            }
+        }
+    };
+}
+
+/// sqlx 0.9's [`SqlxError`](sqlx09::SqlxError) (`pgbus::sqlx::SqlxError`).
+#[cfg(feature = "sqlx")]
+pub(crate) mod sqlx09 {
+    sqlx_error!(sqlx, Sqlx);
+}
+
+/// sqlx 0.8's [`SqlxError`](sqlx08::SqlxError) (`pgbus::sqlx08::SqlxError`).
+#[cfg(feature = "sqlx-0_8")]
+pub(crate) mod sqlx08 {
+    #[cfg(feature = "sqlx")]
+    sqlx_error!(sqlx08, Sqlx08);
+    #[cfg(not(feature = "sqlx"))]
+    sqlx_error!(sqlx08, Sqlx);
+}
+
+#[cfg(all(feature = "sqlx-0_8", not(feature = "sqlx")))]
+use sqlx08::SqlxError as SqlxVariantError;
+/// The error of [`Error::Sqlx`]: sqlx 0.9's, or sqlx 0.8's with the `sqlx-0_8` feature alone.
+#[cfg(feature = "sqlx")]
+use sqlx09::SqlxError as SqlxVariantError;
 
 /// Why no connection could be taken from the bus's pool: its message, and the pool's
 /// own error as `source()`. Opaque, so that the pool behind it can change.

@@ -68,10 +68,7 @@ use crate::{Context, Delivery, Error, Published};
 /// The sqlx crate this module is compiled against.
 use ::sqlx as driver;
 
-/// A failure through sqlx 0.9 as an [`Error`](crate::Error).
-fn wrap(error: SqlxError) -> crate::Error {
-    crate::Error::Sqlx(error)
-}
+pub use crate::error::sqlx09::SqlxError;
 
 // The same file is the other sqlx version's module too: on purpose, one source for both.
 #[allow(clippy::duplicate_mod)]

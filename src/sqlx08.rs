@@ -17,17 +17,7 @@
 /// The sqlx crate this module is compiled against.
 use ::sqlx08 as driver;
 
-/// A failure through sqlx 0.8 as an [`Error`](crate::Error).
-fn wrap(error: SqlxError) -> crate::Error {
-    #[cfg(feature = "sqlx")]
-    {
-        crate::Error::Sqlx08(error)
-    }
-    #[cfg(not(feature = "sqlx"))]
-    {
-        crate::Error::Sqlx(error)
-    }
-}
+pub use crate::error::sqlx08::SqlxError;
 
 // The same file is the other sqlx version's module too: on purpose, one source for both.
 #[allow(clippy::duplicate_mod)]

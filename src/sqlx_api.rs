@@ -1,10 +1,6 @@
 //! The body of `pgbus::sqlx` (sqlx 0.9) and of `pgbus::sqlx08` (sqlx 0.8): one source,
-//! compiled once against each version. `super::driver` is the sqlx crate of the version,
-//! and `super::wrap` makes a [`SqlxError`] of it into its [`Error`] variant.
-
-use std::fmt;
-
-use tokio_postgres::error::SqlState;
+//! compiled once against each version. `super::driver` is the sqlx crate of the version
+//! (and `crate::error`'s `sqlx_error!` makes its `SqlxError`).
 
 use super::driver;
 use driver::postgres::{PgArguments, PgConnection};
@@ -14,7 +10,7 @@ use tracing::Instrument;
 
 use crate::context::Context;
 use crate::delivery::Delivery;
-use crate::error::{Error, Result, schema_missing};
+use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::publish::{Published, Publisher, batch_published, batch_span, publish_span, published};
 use crate::schema::{
@@ -317,94 +313,5 @@ impl SessionTx for Transaction<'_, Postgres> {
 
     async fn rollback(self) -> Result<()> {
         Ok(Transaction::rollback(self).await?)
-    }
-}
-
-/// Why a statement sent through sqlx failed ([`Error::Sqlx`]; `Error::Sqlx08` for
-/// `pgbus::sqlx08` when both sqlx features are on): sqlx's own error, which is its
-/// `source()`, and the SQLSTATE that [`Error::code`] gives.
-#[derive(Debug)]
-pub struct SqlxError {
-    error: driver::Error,
-    code: Option<SqlState>,
-}
-
-impl SqlxError {
-    /// sqlx's error.
-    pub fn get_ref(&self) -> &driver::Error {
-        &self.error
-    }
-
-    /// sqlx's error, taken out.
-    pub fn into_inner(self) -> driver::Error {
-        self.error
-    }
-
-    /// The SQLSTATE, where PostgreSQL refused the statement.
-    pub(crate) fn code(&self) -> Option<&SqlState> {
-        self.code.as_ref()
-    }
-
-    /// Whether the pgbus schema is missing or out of date in the database.
-    pub fn is_schema_missing(&self) -> bool {
-        let message = match &self.error {
-            driver::Error::Database(db) => Some(db.message()),
-            _ => None,
-        };
-        schema_missing(self.code.as_ref(), message)
-    }
-
-    /// As [`Error::is_connection`] for tokio-postgres: sqlx could not reach the server
-    /// (I/O, TLS, the protocol, a closed or exhausted pool), or PostgreSQL answered with
-    /// a connection exception (08) or is shutting down or starting up (57P).
-    pub(crate) fn is_connection(&self) -> bool {
-        match &self.error {
-            driver::Error::Database(_) => self
-                .code
-                .as_ref()
-                .is_some_and(|c| c.code().starts_with("08") || c.code().starts_with("57P")),
-            driver::Error::Io(_)
-            | driver::Error::Tls(_)
-            | driver::Error::Protocol(_)
-            | driver::Error::PoolTimedOut
-            | driver::Error::PoolClosed
-            | driver::Error::WorkerCrashed
-            | driver::Error::BeginFailed => true,
-            _ => false,
-        }
-    }
-}
-
-impl fmt::Display for SqlxError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.is_schema_missing() {
-            f.write_str(
-                "the pgbus schema is missing or out of date in this database: run `pgbus migrate`: ",
-            )?;
-        } else {
-            f.write_str("database error: ")?;
-        }
-        match (&self.error, &self.code) {
-            (driver::Error::Database(db), Some(code)) => {
-                write!(f, "{} (SQLSTATE {})", db.message(), code.code())
-            }
-            (e, _) => fmt::Display::fmt(e, f),
-        }
-    }
-}
-
-impl std::error::Error for SqlxError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
-    }
-}
-
-impl From<driver::Error> for Error {
-    fn from(error: driver::Error) -> Self {
-        let code = match &error {
-            driver::Error::Database(db) => db.code().map(|c| SqlState::from_code(&c)),
-            _ => None,
-        };
-        super::wrap(SqlxError { error, code })
     }
 }
