@@ -120,7 +120,8 @@ impl Context {
     }
 
     /// The event's headers, as published (a JSON object; `{}` when it had none). With the
-    /// `opentelemetry` feature they carry the publisher's `traceparent`.
+    /// `opentelemetry` feature they hold the publisher's `traceparent` (and `tracestate`)
+    /// when it published inside a trace.
     pub fn headers(&self) -> &serde_json::Value {
         &self.event.headers
     }
@@ -131,7 +132,7 @@ impl Context {
     }
 
     /// The event's position in the log (`pgbus.events.seq`): with the subscription, the
-    /// key of this delivery. Increasing in commit order for an ordered subscription's key.
+    /// key of this delivery, the same on every attempt.
     pub fn seq(&self) -> i64 {
         self.seq
     }

@@ -901,3 +901,48 @@ async fn a_sqlx_ack_in_on_a_lost_lease_fails_and_the_transaction_cannot_commit_i
     assert_eq!(running.stats().stale_rejected, 1);
     running.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_sqlx_ack_in_in_an_ordered_subscription_hands_the_key_to_its_next_event_at_commit() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let pool = pool(&db).await;
+    let mut bus = Bus::builder(db.config()).build().unwrap();
+    let mut stream = bus
+        .subscribe_with(
+            "ordered",
+            ["*"],
+            pgbus::SubscriptionOptions::new().ordered(true),
+        )
+        .unwrap();
+    let running = bus.start().await.unwrap();
+    pgbus::publish_batch(
+        &client,
+        &[
+            Event::new("x", json!({})).id("first").ordering_key("k"),
+            Event::new("x", json!({})).id("second").ordering_key("k"),
+        ],
+    )
+    .await
+    .unwrap();
+    let first = next_delivery(&mut stream).await;
+    assert_eq!(first.event().id, "first");
+
+    let mut tx = pool.begin().await.unwrap();
+    pgbus_sqlx::ack_delivery_in(&mut tx, first).await.unwrap();
+    // Not before the commit: the head is still the first event, for everyone else.
+    assert_eq!(
+        delivery_of(&client, "first").await.map(|d| d.0),
+        Some("processing".to_string())
+    );
+    tx.commit().await.unwrap();
+    let second = next_delivery(&mut stream).await;
+    assert_eq!(
+        (second.event().id.as_str(), second.attempt()),
+        ("second", 1)
+    );
+    assert_eq!(delivery_of(&client, "first").await, None);
+    second.ack().await.unwrap();
+    common::wait_settled(&client, "the second event").await;
+    running.shutdown().await.unwrap();
+}
