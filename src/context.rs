@@ -200,7 +200,8 @@ impl Context {
     /// the delivery's lease. For an ordered subscription it hands the key to its next
     /// delivery, as an acknowledgement does, once `tx` commits. `tx` must be `READ
     /// COMMITTED` (PostgreSQL's default); see [`Delivery::ack_in`](crate::Delivery::ack_in)
-    /// for the locks it holds until `tx` ends.
+    /// for the locks it holds until `tx` ends. A sqlx transaction completes it with
+    /// `pgbus::sqlx::ack_in(&mut tx, &cx)` (the `sqlx` or `sqlx-0_8` feature).
     ///
     /// If `tx` rolls back after this, the delivery was not completed. Return an error from
     /// the handler then (returning the error of a failed `commit` with `?` does): the bus

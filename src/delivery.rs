@@ -158,7 +158,9 @@ impl Delivery {
     /// `tx` must be `READ COMMITTED` (PostgreSQL's default). Until it ends, `tx` holds the
     /// delivery's row lock and, for an ordered subscription, its key's lock (publishing to
     /// that key waits) and the shared configuration lock (changing a subscription's
-    /// settings waits): keep it short, and well within the lease.
+    /// settings waits): keep it short, and well within the lease. A sqlx transaction
+    /// completes it with `pgbus::sqlx::ack_delivery_in(&mut tx, delivery)` (the `sqlx` or
+    /// `sqlx-0_8` feature).
     ///
     /// ```no_run
     /// # async fn f(mut client: tokio_postgres::Client, d: pgbus::Delivery) -> Result<(), Box<dyn std::error::Error>> {
