@@ -10,8 +10,10 @@ use tokio_util::sync::CancellationToken;
 use crate::error::Result;
 use crate::settle::Settler;
 
-/// The delivery a handler runs for: which attempt it is, until when it may run, whether
-/// the bus is stopping, and a way to complete it inside the handler's own transaction.
+/// The delivery a handler runs for: which event it carries (name, id, position in the
+/// log, headers, correlation and causation ids), which attempt it is, until when it may
+/// run, whether the bus is stopping, and a way to complete it inside the handler's own
+/// transaction.
 ///
 /// Handlers registered with
 /// [`BusBuilder::handler_with_context`](crate::BusBuilder::handler_with_context) or
@@ -43,6 +45,7 @@ use crate::settle::Settler;
 pub struct Context {
     subscription: Arc<str>,
     event_id: Arc<str>,
+    event: Arc<EventMeta>,
     seq: i64,
     attempt: i32,
     deadline: Option<Instant>,
@@ -56,6 +59,8 @@ impl std::fmt::Debug for Context {
         f.debug_struct("Context")
             .field("subscription", &self.subscription)
             .field("event_id", &self.event_id)
+            .field("event_name", &self.event.name)
+            .field("seq", &self.seq)
             .field("attempt", &self.attempt)
             .field("deadline", &self.deadline)
             .field("cancelled", &self.cancel.is_cancelled())
@@ -64,11 +69,21 @@ impl std::fmt::Debug for Context {
     }
 }
 
+/// What a [`Context`] tells of the event besides its id.
+#[derive(Debug)]
+pub(crate) struct EventMeta {
+    pub(crate) name: String,
+    pub(crate) headers: serde_json::Value,
+    pub(crate) correlation_id: Option<String>,
+    pub(crate) causation_id: Option<String>,
+}
+
 /// What a [`Context`] is made of, known to the delivery it belongs to.
 #[derive(Debug)]
 pub(crate) struct Parts {
     pub(crate) subscription: Arc<str>,
     pub(crate) event_id: Arc<str>,
+    pub(crate) event: Arc<EventMeta>,
     pub(crate) seq: i64,
     pub(crate) attempt: i32,
     pub(crate) settler: Settler,
@@ -79,6 +94,7 @@ impl Context {
         Context {
             subscription: parts.subscription,
             event_id: parts.event_id,
+            event: parts.event,
             seq: parts.seq,
             attempt: parts.attempt,
             deadline,
@@ -96,6 +112,41 @@ impl Context {
     /// The event's id (its idempotency key): the same on every attempt.
     pub fn event_id(&self) -> &str {
         &self.event_id
+    }
+
+    /// The event's name (`order.placed`), as it was published.
+    pub fn event_name(&self) -> &str {
+        &self.event.name
+    }
+
+    /// The event's headers, as published (a JSON object; `{}` when it had none). With the
+    /// `opentelemetry` feature they hold the publisher's `traceparent` (and `tracestate`)
+    /// when it published inside a trace.
+    pub fn headers(&self) -> &serde_json::Value {
+        &self.event.headers
+    }
+
+    /// One header's value, if the event has it.
+    pub fn header(&self, name: &str) -> Option<&serde_json::Value> {
+        self.event.headers.get(name)
+    }
+
+    /// The event's position in the log (`pgbus.events.seq`): with the subscription, the
+    /// key of this delivery, the same on every attempt.
+    pub fn seq(&self) -> i64 {
+        self.seq
+    }
+
+    /// The event's correlation id, if it was published with one
+    /// ([`Event::correlation_id`](crate::Event::correlation_id)).
+    pub fn correlation_id(&self) -> Option<&str> {
+        self.event.correlation_id.as_deref()
+    }
+
+    /// The event's causation id (the id of the event or command that caused it), if it was
+    /// published with one ([`Event::causation_id`](crate::Event::causation_id)).
+    pub fn causation_id(&self) -> Option<&str> {
+        self.event.causation_id.as_deref()
     }
 
     /// Which attempt this is: 1 for the first, 2 for the first retry, and so on (every
@@ -149,7 +200,8 @@ impl Context {
     /// the delivery's lease. For an ordered subscription it hands the key to its next
     /// delivery, as an acknowledgement does, once `tx` commits. `tx` must be `READ
     /// COMMITTED` (PostgreSQL's default); see [`Delivery::ack_in`](crate::Delivery::ack_in)
-    /// for the locks it holds until `tx` ends.
+    /// for the locks it holds until `tx` ends. A sqlx transaction completes it with
+    /// `pgbus::sqlx::ack_in(&mut tx, &cx)` (the `sqlx` or `sqlx-0_8` feature).
     ///
     /// If `tx` rolls back after this, the delivery was not completed. Return an error from
     /// the handler then (returning the error of a failed `commit` with `?` does): the bus
@@ -167,6 +219,28 @@ impl Context {
         self.settler
             .ack_in(tx, &self.subscription, self.seq, self.attempt)
             .await?;
+        self.acked_in.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// What the `pgbus.ack_in` statement is sent with, by another driver (`pgbus::sqlx`):
+    /// the subscription, the seq, the attempt and the worker id.
+    #[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
+    pub(crate) fn ack_in_args(&self) -> (&str, i64, i32, &str) {
+        (
+            &self.subscription,
+            self.seq,
+            self.attempt,
+            self.settler.worker(),
+        )
+    }
+
+    /// Records what the `pgbus.ack_in` statement sent by another driver came to, as
+    /// [`ack_in`](Context::ack_in) does.
+    #[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
+    pub(crate) fn acked_in_by(&self, ran: Result<()>) -> Result<()> {
+        self.settler
+            .acked_in(&self.subscription, self.seq, self.attempt, ran)?;
         self.acked_in.store(true, Ordering::Release);
         Ok(())
     }

@@ -158,7 +158,9 @@ impl Delivery {
     /// `tx` must be `READ COMMITTED` (PostgreSQL's default). Until it ends, `tx` holds the
     /// delivery's row lock and, for an ordered subscription, its key's lock (publishing to
     /// that key waits) and the shared configuration lock (changing a subscription's
-    /// settings waits): keep it short, and well within the lease.
+    /// settings waits): keep it short, and well within the lease. A sqlx transaction
+    /// completes it with `pgbus::sqlx::ack_delivery_in(&mut tx, delivery)` (the `sqlx` or
+    /// `sqlx-0_8` feature).
     ///
     /// ```no_run
     /// # async fn f(mut client: tokio_postgres::Client, d: pgbus::Delivery) -> Result<(), Box<dyn std::error::Error>> {
@@ -180,11 +182,38 @@ impl Delivery {
     /// `tx`, so its writes cannot commit (a `COMMIT` rolls back). Another error (the
     /// connection, `tx` already aborted, not `READ COMMITTED`) fails the attempt as
     /// [`fail`](Delivery::fail) would, and the delivery is retried after its backoff.
-    pub async fn ack_in(mut self, tx: &tokio_postgres::Transaction<'_>) -> Result<()> {
+    pub async fn ack_in(self, tx: &tokio_postgres::Transaction<'_>) -> Result<()> {
         let result = self
             .settler
             .ack_in(tx, &self.sub.name, self.seq(), self.attempt)
             .await;
+        self.after_ack_in(result)
+    }
+
+    /// What the `pgbus.ack_in` statement is sent with, by another driver (`pgbus::sqlx`):
+    /// the subscription, the seq, the attempt and the worker id.
+    #[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
+    pub(crate) fn ack_in_args(&self) -> (&str, i64, i32, &str) {
+        (
+            &self.sub.name,
+            self.seq(),
+            self.attempt,
+            self.settler.worker(),
+        )
+    }
+
+    /// Settles the delivery after the `pgbus.ack_in` statement sent by another driver, as
+    /// [`ack_in`](Delivery::ack_in) does.
+    #[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
+    pub(crate) fn acked_in_by(self, ran: Result<()>) -> Result<()> {
+        let (subscription, seq, attempt) = (self.sub.name.clone(), self.seq(), self.attempt);
+        let result = self.settler.acked_in(&subscription, seq, attempt, ran);
+        self.after_ack_in(result)
+    }
+
+    /// Settles the delivery once its `pgbus.ack_in` statement ran: done (by the
+    /// application's transaction, or by whoever holds the lease now), or failed.
+    fn after_ack_in(mut self, result: Result<()>) -> Result<()> {
         match result {
             Ok(()) | Err(Error::LeaseLost) => {
                 // Settled: by `tx`, or by whoever holds the lease now. Dropping the slot
@@ -219,6 +248,12 @@ impl Delivery {
         let parts = crate::context::Parts {
             subscription: self.sub.name.clone(),
             event_id: Arc::from(self.event.id.as_str()),
+            event: Arc::new(crate::context::EventMeta {
+                name: self.event.name.clone(),
+                headers: self.event.headers.clone(),
+                correlation_id: self.event.correlation_id.clone(),
+                causation_id: self.event.causation_id.clone(),
+            }),
             seq: self.seq(),
             attempt: self.attempt,
             settler: self.settler.clone(),

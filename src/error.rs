@@ -91,10 +91,17 @@ pub enum Error {
     /// [`Error::code`], [`Error::is_connection`] and [`Error::is_transient`] answer as
     /// for [`Error::Database`]; a missing schema says so (run `pgbus migrate`), with its
     /// SQLSTATE (42P01, 3F000, 42883 or 42703).
-    #[cfg(feature = "sqlx")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
+    #[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
+    #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlx", feature = "sqlx-0_8"))))]
     #[error("{0}")]
-    Sqlx(#[source] SqlxError),
+    Sqlx(#[source] SqlxVariantError),
+    /// As [`Error::Sqlx`], for a statement sent through sqlx 0.8
+    /// ([`pgbus::sqlx08`](crate::sqlx08)) when both the `sqlx` and the `sqlx-0_8` features
+    /// are on (with `sqlx-0_8` alone, sqlx 0.8's failures are [`Error::Sqlx`]).
+    #[cfg(all(feature = "sqlx", feature = "sqlx-0_8"))]
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "sqlx", feature = "sqlx-0_8"))))]
+    #[error("{0}")]
+    Sqlx08(#[source] sqlx08::SqlxError),
     /// No connection could be taken from the bus's pool (none could be opened in time,
     /// or the pool is closed).
     #[error("connection pool error: {0}")]
@@ -328,8 +335,10 @@ impl Error {
             Error::NeedsGrant { source, .. } => source.code(),
             Error::Settle(e) | Error::SettleUnknown(e) => e.code(),
             Error::Connect { .. } => self.connect_db_error().and_then(|e| e.code()),
-            #[cfg(feature = "sqlx")]
-            Error::Sqlx(e) => e.code.as_ref(),
+            #[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
+            Error::Sqlx(e) => e.code(),
+            #[cfg(all(feature = "sqlx", feature = "sqlx-0_8"))]
+            Error::Sqlx08(e) => e.code(),
             _ => None,
         }
     }
@@ -382,8 +391,10 @@ impl Error {
                     || c.code().starts_with("53")
             }),
             Error::Settle(e) | Error::SettleUnknown(e) => e.is_connection(),
-            #[cfg(feature = "sqlx")]
+            #[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
             Error::Sqlx(e) => e.is_connection(),
+            #[cfg(all(feature = "sqlx", feature = "sqlx-0_8"))]
+            Error::Sqlx08(e) => e.is_connection(),
             _ => false,
         }
     }
@@ -611,7 +622,7 @@ fn describe(e: &tokio_postgres::Error) -> String {
 
 /// Whether PostgreSQL's error says that the pgbus schema is missing or out of date: an
 /// undefined table, schema, function or column of pgbus.
-fn schema_missing(code: Option<&SqlState>, message: Option<&str>) -> bool {
+pub(crate) fn schema_missing(code: Option<&SqlState>, message: Option<&str>) -> bool {
     matches!(
         code,
         Some(c) if *c == SqlState::UNDEFINED_TABLE
@@ -640,94 +651,129 @@ impl From<deadpool_postgres::PoolError> for Error {
     }
 }
 
-/// Why a statement sent through sqlx failed ([`Error::Sqlx`]): sqlx's own error, which is
-/// its `source()`, and the SQLSTATE that [`Error::code`] gives.
-#[cfg(feature = "sqlx")]
-#[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
-#[derive(Debug)]
-pub struct SqlxError {
-    error: sqlx::Error,
-    code: Option<SqlState>,
-}
+/// Defines `SqlxError` and `From<sqlx::Error> for Error` for one sqlx version's crate
+/// (`$driver`), whose failures are `Error::$variant`: one source for both versions.
+#[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
+macro_rules! sqlx_error {
+    ($driver:ident, $variant:ident) => {
+        use std::fmt;
 
-#[cfg(feature = "sqlx")]
-impl SqlxError {
-    /// sqlx's error.
-    pub fn get_ref(&self) -> &sqlx::Error {
-        &self.error
-    }
+        use ::$driver as driver;
+        use tokio_postgres::error::SqlState;
 
-    /// sqlx's error, taken out.
-    pub fn into_inner(self) -> sqlx::Error {
-        self.error
-    }
+        use super::{Error, schema_missing};
 
-    /// Whether the pgbus schema is missing or out of date in the database.
-    pub fn is_schema_missing(&self) -> bool {
-        let message = match &self.error {
-            sqlx::Error::Database(db) => Some(db.message()),
-            _ => None,
-        };
-        schema_missing(self.code.as_ref(), message)
-    }
-
-    /// As [`Error::is_connection`] for tokio-postgres: sqlx could not reach the server
-    /// (I/O, TLS, the protocol, a closed or exhausted pool), or PostgreSQL answered with
-    /// a connection exception (08) or is shutting down or starting up (57P).
-    fn is_connection(&self) -> bool {
-        match &self.error {
-            sqlx::Error::Database(_) => self
-                .code
-                .as_ref()
-                .is_some_and(|c| c.code().starts_with("08") || c.code().starts_with("57P")),
-            sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-            | sqlx::Error::BeginFailed => true,
-            _ => false,
+        /// Why a statement sent through sqlx failed ([`Error::Sqlx`]; `Error::Sqlx08` for
+        /// `pgbus::sqlx08` when both sqlx features are on): sqlx's own error, which is its
+        /// `source()`, and the SQLSTATE that [`Error::code`] gives.
+        #[derive(Debug)]
+        pub struct SqlxError {
+            error: driver::Error,
+            code: Option<SqlState>,
         }
-    }
-}
 
-#[cfg(feature = "sqlx")]
-impl fmt::Display for SqlxError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.is_schema_missing() {
-            f.write_str(
-                "the pgbus schema is missing or out of date in this database: run `pgbus migrate`: ",
-            )?;
-        } else {
-            f.write_str("database error: ")?;
-        }
-        match (&self.error, &self.code) {
-            (sqlx::Error::Database(db), Some(code)) => {
-                write!(f, "{} (SQLSTATE {})", db.message(), code.code())
+        impl SqlxError {
+            /// sqlx's error.
+            pub fn get_ref(&self) -> &driver::Error {
+                &self.error
             }
-            (e, _) => fmt::Display::fmt(e, f),
+
+            /// sqlx's error, taken out.
+            pub fn into_inner(self) -> driver::Error {
+                self.error
+            }
+
+            /// The SQLSTATE, where PostgreSQL refused the statement.
+            pub(crate) fn code(&self) -> Option<&SqlState> {
+                self.code.as_ref()
+            }
+
+            /// Whether the pgbus schema is missing or out of date in the database.
+            pub fn is_schema_missing(&self) -> bool {
+                let message = match &self.error {
+                    driver::Error::Database(db) => Some(db.message()),
+                    _ => None,
+                };
+                schema_missing(self.code.as_ref(), message)
+            }
+
+            /// As [`Error::is_connection`] for tokio-postgres: sqlx could not reach the server
+            /// (I/O, TLS, the protocol, a closed or exhausted pool), or PostgreSQL answered with
+            /// a connection exception (08) or is shutting down or starting up (57P).
+            pub(crate) fn is_connection(&self) -> bool {
+                match &self.error {
+                    driver::Error::Database(_) => self
+                        .code
+                        .as_ref()
+                        .is_some_and(|c| c.code().starts_with("08") || c.code().starts_with("57P")),
+                    driver::Error::Io(_)
+                    | driver::Error::Tls(_)
+                    | driver::Error::Protocol(_)
+                    | driver::Error::PoolTimedOut
+                    | driver::Error::PoolClosed
+                    | driver::Error::WorkerCrashed
+                    | driver::Error::BeginFailed => true,
+                    _ => false,
+                }
+            }
         }
-    }
+
+        impl fmt::Display for SqlxError {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                if self.is_schema_missing() {
+                    f.write_str(
+                        "the pgbus schema is missing or out of date in this database: run `pgbus migrate`: ",
+                    )?;
+                } else {
+                    f.write_str("database error: ")?;
+                }
+                match (&self.error, &self.code) {
+                    (driver::Error::Database(db), Some(code)) => {
+                        write!(f, "{} (SQLSTATE {})", db.message(), code.code())
+                    }
+                    (e, _) => fmt::Display::fmt(e, f),
+                }
+            }
+        }
+
+        impl std::error::Error for SqlxError {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.error)
+            }
+        }
+
+        impl From<driver::Error> for Error {
+            fn from(error: driver::Error) -> Self {
+                let code = match &error {
+                    driver::Error::Database(db) => db.code().map(|c| SqlState::from_code(&c)),
+                    _ => None,
+                };
+                Error::$variant(SqlxError { error, code })
+            }
+        }
+    };
 }
 
+/// sqlx 0.9's [`SqlxError`](sqlx09::SqlxError) (`pgbus::sqlx::SqlxError`).
 #[cfg(feature = "sqlx")]
-impl std::error::Error for SqlxError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
-    }
+pub(crate) mod sqlx09 {
+    sqlx_error!(sqlx, Sqlx);
 }
 
-#[cfg(feature = "sqlx")]
-impl From<sqlx::Error> for Error {
-    fn from(error: sqlx::Error) -> Self {
-        let code = match &error {
-            sqlx::Error::Database(db) => db.code().map(|c| SqlState::from_code(&c)),
-            _ => None,
-        };
-        Error::Sqlx(SqlxError { error, code })
-    }
+/// sqlx 0.8's [`SqlxError`](sqlx08::SqlxError) (`pgbus::sqlx08::SqlxError`).
+#[cfg(feature = "sqlx-0_8")]
+pub(crate) mod sqlx08 {
+    #[cfg(feature = "sqlx")]
+    sqlx_error!(sqlx08, Sqlx08);
+    #[cfg(not(feature = "sqlx"))]
+    sqlx_error!(sqlx08, Sqlx);
 }
+
+#[cfg(all(feature = "sqlx-0_8", not(feature = "sqlx")))]
+use sqlx08::SqlxError as SqlxVariantError;
+/// The error of [`Error::Sqlx`]: sqlx 0.9's, or sqlx 0.8's with the `sqlx-0_8` feature alone.
+#[cfg(feature = "sqlx")]
+use sqlx09::SqlxError as SqlxVariantError;
 
 /// Why no connection could be taken from the bus's pool: its message, and the pool's
 /// own error as `source()`. Opaque, so that the pool behind it can change.

@@ -63,6 +63,14 @@ mod sql;
 #[cfg(feature = "sqlx")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
 pub mod sqlx;
+#[cfg(feature = "sqlx-0_8")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlx-0_8")))]
+pub mod sqlx08;
+/// With the `sqlx-0_8` feature alone, `pgbus::sqlx` is [`sqlx08`]: the same API against
+/// sqlx 0.8.
+#[cfg(all(feature = "sqlx-0_8", not(feature = "sqlx")))]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlx-0_8")))]
+pub use sqlx08 as sqlx;
 mod stats;
 pub mod trace_context;
 

@@ -143,8 +143,33 @@ impl Settler {
             (&attempt, Type::INT4),
             (&worker, Type::TEXT),
         ];
-        match tx.query_typed(sql::ACK_IN, &params).await {
-            Ok(_) => {
+        let ran = tx.query_typed(sql::ACK_IN, &params).await;
+        self.acked_in(
+            subscription,
+            seq,
+            attempt,
+            ran.map(drop).map_err(Error::from),
+        )
+    }
+
+    /// The worker id this bus claims with: [`sql::ACK_IN`]'s fourth parameter.
+    #[cfg(any(feature = "sqlx", feature = "sqlx-0_8"))]
+    pub(crate) fn worker(&self) -> &str {
+        &self.worker
+    }
+
+    /// Counts and reports what the [`sql::ACK_IN`] statement for `(subscription, seq)`
+    /// claimed for `attempt` came to, whichever driver ran it: a stale lease (SQLSTATE
+    /// [`sql::LEASE_LOST`]) is [`Error::LeaseLost`].
+    pub(crate) fn acked_in(
+        &self,
+        subscription: &str,
+        seq: i64,
+        attempt: i32,
+        ran: Result<()>,
+    ) -> Result<()> {
+        match ran {
+            Ok(()) => {
                 self.stats
                     .settled(&Arc::from(subscription), DeliveryOutcome::Acked);
                 Ok(())
@@ -160,7 +185,7 @@ impl Settler {
                 );
                 Err(Error::LeaseLost)
             }
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
         }
     }
 

@@ -1,4 +1,5 @@
-//! Publishing and migrating through sqlx (the `sqlx` Cargo feature).
+//! Publishing, migrating and completing deliveries through sqlx (the `sqlx` Cargo
+//! feature).
 //!
 //! A service built on sqlx publishes its events in its own sqlx transaction, with the
 //! business writes: [`publish`] and [`publish_batch`] take any sqlx PostgreSQL executor
@@ -8,7 +9,11 @@
 //! the same [`Error::Invalid`] and leaves the transaction usable), the same idempotency
 //! ([`Published::Duplicate`] for an identical event with the same id, [`Error::Conflict`]
 //! for different content, writing nothing). [`migrate`] applies the same migrations as
-//! [`crate::migrate`], under the same lock and checks.
+//! [`crate::migrate`], under the same lock and checks. On the consuming side, [`ack_in`]
+//! completes a handler's delivery inside the handler's own sqlx transaction
+//! ([`Context::ack_in`] through sqlx), and [`ack_delivery_in`] a stream's
+//! [`Delivery`] ([`Delivery::ack_in`]), so that a projection written with the service's
+//! own pool and its completion commit together.
 //!
 //! ```toml
 //! # A clone of pgbus by path until it is released; then: version = "0.1"
@@ -43,225 +48,31 @@
 //! do for tokio-postgres.
 //!
 //! sqlx 0.9 needs Rust 1.94 or newer.
-
-use ::sqlx::postgres::{PgArguments, PgConnection};
-use ::sqlx::query::Query;
-use ::sqlx::{Acquire, Connection, PgExecutor, Postgres, Row as _, Transaction};
-use tracing::Instrument;
+//!
+//! # sqlx 0.8
+//!
+//! A service on sqlx 0.8 enables the `sqlx-0_8` feature instead (a `sqlx` 0.9 build
+//! would fail there with E0277, "multiple different versions of crate `sqlx_core`"):
+//!
+//! ```toml
+//! pgbus = { path = "../pgbus", features = ["sqlx-0_8"] }
+//! ```
+//!
+//! The same API, built from the same source against sqlx 0.8, is then
+//! `pgbus::sqlx08`, and also `pgbus::sqlx` (so the code above is unchanged), and its
+//! failures are [`Error::Sqlx`]. With both features on, `pgbus::sqlx` is sqlx 0.9's,
+//! `pgbus::sqlx08` sqlx 0.8's, and the latter's failures are `Error::Sqlx08`.
 
 #[cfg(doc)]
-use crate::error::Error;
-use crate::error::Result;
-use crate::event::Event;
-use crate::publish::{Published, Publisher, batch_published, batch_span, publish_span, published};
-use crate::schema::{
-    CURRENT_ROLE, Migration, RECORD, RECORDED, SERVER, Session, SessionTx, UNSAFE_OBJECTS,
-};
-use crate::sql::{PUBLISH_BATCH, PUBLISH_EVENT};
+use crate::{Context, Delivery, Error, Published};
+/// The sqlx crate this module is compiled against.
+use ::sqlx as driver;
 
-pub use crate::error::SqlxError;
+pub use crate::error::sqlx09::SqlxError;
 
-/// Binds the 14 parameters of a [`Row`](crate::publish::Row) or a
-/// [`Columns`](crate::publish::Columns), in the order of the publish statements.
-macro_rules! bind_params {
-    ($query:expr, $s:expr) => {
-        $query
-            .bind(&$s.id)
-            .bind(&$s.name)
-            .bind(&$s.version)
-            .bind(&$s.source)
-            .bind(&$s.aggregate_type)
-            .bind(&$s.aggregate_id)
-            .bind(&$s.correlation_id)
-            .bind(&$s.causation_id)
-            .bind(&$s.occurred_at)
-            .bind(&$s.payload)
-            .bind(&$s.headers)
-            .bind(&$s.deliver_at)
-            .bind(&$s.delay_ms)
-            .bind(&$s.ordering_key)
-    };
-}
+// The same file is the other sqlx version's module too: on purpose, one source for both.
+#[allow(clippy::duplicate_mod)]
+#[path = "sqlx_api.rs"]
+mod api;
 
-/// An unnamed statement (see the module's documentation).
-fn statement(sql: &'static str) -> Query<'static, Postgres, PgArguments> {
-    ::sqlx::query(sql).persistent(false)
-}
-
-/// Publishes one event through a sqlx executor, in its current transaction, if any.
-///
-/// [`crate::publish`] for sqlx: `executor` is `&mut *tx` (a `sqlx::Transaction`), a
-/// `&mut PgConnection` or a `&PgPool` (then the statement is its own transaction).
-/// Nothing is visible to consumers before COMMIT, and nothing is left after ROLLBACK.
-///
-/// # Errors
-///
-/// - [`Error::Invalid`] for bad input (name, id, headers, `\u0000`, size); nothing is
-///   sent, and the transaction is still usable.
-/// - [`Error::Conflict`] when the id is in the log with different content. Nothing was
-///   written; the transaction is still usable and decides what follows.
-/// - [`Error::Sqlx`] when PostgreSQL refuses the statement or the connection fails (a
-///   database never migrated says so).
-pub async fn publish<'c, E: PgExecutor<'c>>(executor: E, event: &Event) -> Result<Published> {
-    publish_with(&Publisher::default(), executor, event).await
-}
-
-/// Publishes many events in one statement through a sqlx executor, and returns how many
-/// were new: [`crate::publish_batch`] for sqlx.
-///
-/// Identical repeats of an id (in the batch or in the log) are skipped.
-///
-/// # Errors
-///
-/// As [`publish`]; with a [`Error::Conflict`] or [`Error::Invalid`] nothing of the batch
-/// is written.
-pub async fn publish_batch<'c, E: PgExecutor<'c>>(executor: E, events: &[Event]) -> Result<u64> {
-    publish_batch_with(&Publisher::default(), executor, events).await
-}
-
-/// [`publish`] with a [`Publisher`]'s limits.
-///
-/// # Errors
-///
-/// As [`publish`].
-pub async fn publish_with<'c, E: PgExecutor<'c>>(
-    publisher: &Publisher,
-    executor: E,
-    event: &Event,
-) -> Result<Published> {
-    let span = publish_span(event);
-    let row = publisher.row(event, &span)?;
-    let query = bind_params!(statement(PUBLISH_EVENT), row);
-    let (inserted, conflict) = send(query, executor, span).await?;
-    published(inserted, conflict)
-}
-
-/// [`publish_batch`] with a [`Publisher`]'s limits.
-///
-/// # Errors
-///
-/// As [`publish_batch`].
-pub async fn publish_batch_with<'c, E: PgExecutor<'c>>(
-    publisher: &Publisher,
-    executor: E,
-    events: &[Event],
-) -> Result<u64> {
-    let span = batch_span(events);
-    let Some(columns) = publisher.columns(events, &span)? else {
-        return Ok(0);
-    };
-    let query = bind_params!(statement(PUBLISH_BATCH), columns);
-    let (inserted, conflict) = send(query, executor, span).await?;
-    batch_published(inserted, conflict)
-}
-
-/// Sends a publish statement and reads its row: how many events were inserted, and the
-/// first id whose content conflicted.
-async fn send<'c, E: PgExecutor<'c>>(
-    query: Query<'_, Postgres, PgArguments>,
-    executor: E,
-    span: tracing::Span,
-) -> Result<(i64, Option<String>)> {
-    let row = query.fetch_one(executor).instrument(span).await?;
-    Ok((row.try_get("inserted")?, row.try_get("conflict")?))
-}
-
-/// Applies the migrations this database lacks and returns those it applied (empty when
-/// the schema was already current): [`crate::migrate`] through sqlx.
-///
-/// `conn` is anything sqlx can take a connection from: a `&PgPool` (one connection is
-/// held for the whole run) or a `&mut PgConnection`. The same migrations, each in its
-/// own transaction under the same lock, after the same refusal of a schema holding
-/// another role's objects ([`Error::UnsafeSchema`]), recorded with the same checksums, so
-/// either function finds the other's work done; safe to run concurrently from several
-/// connections and processes. It logs what it applied, as [`crate::migrate`] does, and
-/// not the server's notices, which sqlx would log at INFO.
-///
-/// ```no_run
-/// # async fn example(pool: sqlx::PgPool) -> Result<(), pgbus::Error> {
-/// let applied = pgbus::sqlx::migrate(&pool).await?;
-/// println!("{} migrations applied", applied.len());
-/// # Ok(())
-/// # }
-/// ```
-///
-/// # Errors
-///
-/// [`Error::UnsupportedServer`] for a server older than
-/// [`MIN_SERVER_VERSION`](crate::schema::MIN_SERVER_VERSION) and [`Error::Invalid`] for
-/// a database whose encoding is `SQL_ASCII` (nothing is written in either case),
-/// [`Error::UnsafeSchema`] for a schema holding objects of
-/// another role (nothing is written), [`Error::Sqlx`] when a statement fails (the failing migration is rolled back), and
-/// [`Error::MigrationDrift`] when a migration recorded as applied has different content
-/// from the one this binary carries.
-pub async fn migrate<'a, A: Acquire<'a, Database = Postgres>>(conn: A) -> Result<Vec<Migration>> {
-    let mut conn = conn.acquire().await?;
-    crate::schema::run(&mut SqlxSession(&mut conn)).await
-}
-
-/// A sqlx connection as a migration [`Session`]: its transactions are sqlx's (rolled back
-/// if dropped), its statements unnamed.
-struct SqlxSession<'c>(&'c mut PgConnection);
-
-impl Session for SqlxSession<'_> {
-    type Tx<'t>
-        = Transaction<'t, Postgres>
-    where
-        Self: 't;
-
-    async fn server(&mut self) -> Result<(i32, String)> {
-        let row = statement(SERVER).fetch_one(&mut *self.0).await?;
-        Ok((row.try_get("version")?, row.try_get("encoding")?))
-    }
-
-    async fn begin(&mut self) -> Result<Transaction<'_, Postgres>> {
-        Ok(Connection::begin(&mut *self.0).await?)
-    }
-}
-
-impl SessionTx for Transaction<'_, Postgres> {
-    async fn batch(&mut self, sql: &'static str) -> Result<()> {
-        ::sqlx::raw_sql(sql).execute(&mut **self).await?;
-        Ok(())
-    }
-
-    async fn unsafe_objects(&mut self) -> Result<Vec<String>> {
-        let rows = statement(UNSAFE_OBJECTS).fetch_all(&mut **self).await?;
-        Ok(rows
-            .iter()
-            .map(|row| row.try_get("problem"))
-            .collect::<std::result::Result<_, _>>()?)
-    }
-
-    async fn current_role(&mut self) -> Result<String> {
-        let row = statement(CURRENT_ROLE).fetch_one(&mut **self).await?;
-        Ok(row.try_get("role")?)
-    }
-
-    async fn recorded(&mut self, migration: &Migration) -> Result<Option<bool>> {
-        let row = statement(RECORDED)
-            .bind(migration.version)
-            .bind(migration.sql)
-            .fetch_optional(&mut **self)
-            .await?;
-        Ok(row.map(|row| row.try_get("same")).transpose()?)
-    }
-
-    async fn record(&mut self, migration: &Migration) -> Result<()> {
-        statement(RECORD)
-            .bind(migration.version)
-            .bind(migration.name)
-            .bind(migration.sql)
-            .execute(&mut **self)
-            .await?;
-        Ok(())
-    }
-
-    async fn commit(self) -> Result<()> {
-        Ok(Transaction::commit(self).await?)
-    }
-
-    async fn rollback(self) -> Result<()> {
-        Ok(Transaction::rollback(self).await?)
-    }
-}
+pub use api::*;

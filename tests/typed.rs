@@ -264,6 +264,100 @@ async fn the_context_counts_attempts_and_names_the_delivery() {
     running.shutdown().await.unwrap();
 }
 
+/// What a handler saw of its event through its [`Context`].
+#[derive(Debug, PartialEq)]
+struct Seen {
+    name: String,
+    subscription: String,
+    seq: i64,
+    attempt: i32,
+    headers: serde_json::Value,
+    trace: Option<serde_json::Value>,
+    correlation_id: Option<String>,
+    causation_id: Option<String>,
+}
+
+#[tokio::test]
+async fn a_typed_handlers_context_names_the_event_its_headers_seq_and_ids() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    let running = start(Bus::builder(db.config()).handler_typed(
+        "described",
+        ["order.*"],
+        move |_order: OrderPlaced, cx: Context| {
+            let seen_tx = seen_tx.clone();
+            async move {
+                let _ = seen_tx.send(Seen {
+                    name: cx.event_name().to_string(),
+                    subscription: cx.subscription().to_string(),
+                    seq: cx.seq(),
+                    attempt: cx.attempt(),
+                    headers: cx.headers().clone(),
+                    trace: cx.header("trace").cloned(),
+                    correlation_id: cx.correlation_id().map(str::to_string),
+                    causation_id: cx.causation_id().map(str::to_string),
+                });
+                Ok(())
+            }
+        },
+    ))
+    .await;
+    let order = OrderPlaced {
+        order_id: 7,
+        total_cents: 100,
+        lines: vec![],
+    };
+    let described = Event::json("order.placed", &order)
+        .unwrap()
+        .id("described")
+        .header("trace", "t-1")
+        .correlation_id("checkout-9")
+        .causation_id("cmd-3");
+    publish(&client, described).await;
+    let plain = Event::json("order.shipped", &order).unwrap().id("plain");
+    publish(&client, plain).await;
+    let seqs: HashMap<String, i64> = client
+        .query("SELECT id, seq FROM pgbus.events", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let mut got = vec![
+        recv("the first delivery", &mut seen).await,
+        recv("the second delivery", &mut seen).await,
+    ];
+    got.sort_by_key(|s| s.seq);
+    assert_eq!(
+        got,
+        [
+            Seen {
+                name: "order.placed".into(),
+                subscription: "described".into(),
+                seq: seqs["described"],
+                attempt: 1,
+                headers: json!({"trace": "t-1"}),
+                trace: Some(json!("t-1")),
+                correlation_id: Some("checkout-9".into()),
+                causation_id: Some("cmd-3".into()),
+            },
+            Seen {
+                name: "order.shipped".into(),
+                subscription: "described".into(),
+                seq: seqs["plain"],
+                attempt: 1,
+                headers: json!({}),
+                trace: None,
+                correlation_id: None,
+                causation_id: None,
+            },
+        ]
+    );
+    common::wait_settled(&client, "both completions").await;
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn the_contexts_token_fires_when_shutdown_begins_and_the_handler_returns() {
     let db = common::test_db().await;
