@@ -34,7 +34,7 @@ UPDATE pgbus.deliveries SET ready_at = available_at
 WHERE status = 'pending' AND ready_at IS NULL;
 
 CREATE OR REPLACE FUNCTION pgbus.ready_at() RETURNS trigger
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pgbus, pg_temp AS $$
 BEGIN
     NEW.ready_at := greatest(NEW.available_at, clock_timestamp());
     RETURN NEW;
