@@ -8,6 +8,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
+use crate::event::Event;
 use crate::settle::Settler;
 
 /// The delivery a handler runs for: which event it carries (name, id, position in the
@@ -44,8 +45,7 @@ use crate::settle::Settler;
 #[derive(Clone)]
 pub struct Context {
     subscription: Arc<str>,
-    event_id: Arc<str>,
-    event: Arc<EventMeta>,
+    event: Arc<Event>,
     seq: i64,
     attempt: i32,
     deadline: Option<Instant>,
@@ -58,7 +58,7 @@ impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Context")
             .field("subscription", &self.subscription)
-            .field("event_id", &self.event_id)
+            .field("event_id", &self.event.id)
             .field("event_name", &self.event.name)
             .field("seq", &self.seq)
             .field("attempt", &self.attempt)
@@ -69,21 +69,12 @@ impl std::fmt::Debug for Context {
     }
 }
 
-/// What a [`Context`] tells of the event besides its id.
-#[derive(Debug)]
-pub(crate) struct EventMeta {
-    pub(crate) name: String,
-    pub(crate) headers: serde_json::Value,
-    pub(crate) correlation_id: Option<String>,
-    pub(crate) causation_id: Option<String>,
-}
-
 /// What a [`Context`] is made of, known to the delivery it belongs to.
 #[derive(Debug)]
 pub(crate) struct Parts {
     pub(crate) subscription: Arc<str>,
-    pub(crate) event_id: Arc<str>,
-    pub(crate) event: Arc<EventMeta>,
+    /// The delivery's event, shared with it.
+    pub(crate) event: Arc<Event>,
     pub(crate) seq: i64,
     pub(crate) attempt: i32,
     pub(crate) settler: Settler,
@@ -93,7 +84,6 @@ impl Context {
     pub(crate) fn new(parts: Parts, deadline: Option<Instant>, cancel: CancellationToken) -> Self {
         Context {
             subscription: parts.subscription,
-            event_id: parts.event_id,
             event: parts.event,
             seq: parts.seq,
             attempt: parts.attempt,
@@ -111,7 +101,7 @@ impl Context {
 
     /// The event's id (its idempotency key): the same on every attempt.
     pub fn event_id(&self) -> &str {
-        &self.event_id
+        &self.event.id
     }
 
     /// The event's name (`order.placed`), as it was published.

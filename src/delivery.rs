@@ -37,7 +37,8 @@ enum State {
 /// the subscription's maximum attempts); if it was still buffered, it is released without
 /// consuming an attempt.
 pub struct Delivery {
-    event: Event,
+    /// Shared with the [`Context`] of a handler run.
+    event: Arc<Event>,
     attempt: i32,
     sub: Arc<Sub>,
     /// Until the settlement is sent: then the acker holds it until it is written.
@@ -66,7 +67,7 @@ impl std::fmt::Debug for Delivery {
 impl Delivery {
     pub(crate) fn new(event: Event, slot: Slot, settler: Settler) -> Self {
         Delivery {
-            event,
+            event: Arc::new(event),
             attempt: slot.attempt(),
             sub: slot.sub().clone(),
             slot: Some(slot),
@@ -247,13 +248,7 @@ impl Delivery {
     ) -> Context {
         let parts = crate::context::Parts {
             subscription: self.sub.name.clone(),
-            event_id: Arc::from(self.event.id.as_str()),
-            event: Arc::new(crate::context::EventMeta {
-                name: self.event.name.clone(),
-                headers: self.event.headers.clone(),
-                correlation_id: self.event.correlation_id.clone(),
-                causation_id: self.event.causation_id.clone(),
-            }),
+            event: self.event.clone(),
             seq: self.seq(),
             attempt: self.attempt,
             settler: self.settler.clone(),

@@ -189,25 +189,10 @@ async fn a_claim_from_its_floor_skips_what_was_claimed_behind_an_open_transactio
         .await
         .unwrap();
 
-    let no_floor: Vec<Option<chrono::DateTime<chrono::Utc>>> = vec![None];
+    let no_floor: Floors = vec![None];
     let mut floors = no_floor.clone();
     for _ in 0..25 {
-        let rows = client
-            .query(
-                pgbus_testkit::sql::CLAIM,
-                &[
-                    &vec!["s"],
-                    &vec![CLAIM_BATCH as i32],
-                    &CLAIM_BATCH,
-                    &60_000_f64,
-                    &"w",
-                    &4_i64,
-                    &i64::MAX,
-                    &floors,
-                ],
-            )
-            .await
-            .unwrap();
+        let rows = claim_from(&client, &floors).await;
         assert_eq!(rows.len(), CLAIM_BATCH as usize);
         floors = rows[0].get("floors");
         assert!(floors[0].is_some(), "a full claim returns a floor");
@@ -228,30 +213,39 @@ async fn a_claim_from_its_floor_skips_what_was_claimed_behind_an_open_transactio
 /// The entries of the claim index that the claim read from `floors` (the deliveries it
 /// claimed and every entry its scan passed on the way), with 2,500 of the subscription's
 /// deliveries claimed already, in a transaction rolled back.
-async fn claim_index_reads(
-    client: &mut tokio_postgres::Client,
-    floors: Vec<Option<chrono::DateTime<chrono::Utc>>>,
-) -> i64 {
+async fn claim_index_reads(client: &mut tokio_postgres::Client, floors: Floors) -> i64 {
     let tx = client.transaction().await.unwrap();
     let read = "SELECT pg_stat_get_xact_tuples_returned('pgbus.deliveries_ready_idx'::regclass)";
     let before: i64 = tx.query_one(read, &[]).await.unwrap().get(0);
-    tx.query(
-        pgbus_testkit::sql::CLAIM,
-        &[
-            &vec!["s"],
-            &vec![CLAIM_BATCH as i32],
-            &CLAIM_BATCH,
-            &60_000_f64,
-            &"w",
-            &4_i64,
-            &i64::MAX,
-            &floors,
-        ],
-    )
-    .await
-    .unwrap();
+    claim_from(&tx, &floors).await;
     let after: i64 = tx.query_one(read, &[]).await.unwrap().get(0);
     assert_eq!(count_claimed(&tx, "s").await, 26 * CLAIM_BATCH);
     tx.rollback().await.unwrap();
     after - before
+}
+
+/// The claim statement's floors (`$8`), one per subscription.
+type Floors = Vec<Option<chrono::DateTime<chrono::Utc>>>;
+
+/// The bus's claim statement for subscription "s" (a batch of 100) from `floors`.
+async fn claim_from(
+    client: &impl tokio_postgres::GenericClient,
+    floors: &Floors,
+) -> Vec<tokio_postgres::Row> {
+    client
+        .query(
+            pgbus_testkit::sql::CLAIM,
+            &[
+                &vec!["s"],
+                &vec![CLAIM_BATCH as i32],
+                &CLAIM_BATCH,
+                &60_000_f64,
+                &"w",
+                &4_i64,
+                &i64::MAX,
+                floors,
+            ],
+        )
+        .await
+        .unwrap()
 }
