@@ -44,11 +44,6 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Default number of events one sweep batch deletes: 1,000.
 pub const DEFAULT_SWEEP_BATCH: i32 = 1000;
 
-/// How long a bus's row in `pgbus.consumers` stays live without a heartbeat, with the
-/// default leader lease (a bus renews it at least every 75 seconds): its last heartbeat
-/// is its expiry less this.
-pub(crate) const CONSUMER_TTL: Duration = Duration::from_secs(150);
-
 /// How long [`configure_subscription`] waits for the configuration lock: 30 s.
 pub const DEFAULT_CONFIGURE_WAIT: Duration = Duration::from_secs(30);
 
@@ -1317,8 +1312,7 @@ pub struct ConsumerInfo {
     pub subscriptions: Vec<String>,
     /// When it started.
     pub started_at: DateTime<Utc>,
-    /// Its last heartbeat, with the default leader lease (a bus renews its row at least
-    /// every 75 seconds).
+    /// Its last heartbeat: when it last renewed its row.
     pub last_heartbeat: DateTime<Utc>,
     /// When its row stops counting as live unless it beats again.
     pub expires_at: DateTime<Utc>,
@@ -1332,22 +1326,19 @@ pub struct ConsumerInfo {
 ///
 /// [`Error::Database`] when the statement fails.
 pub async fn consumers<C: Executor + ?Sized>(client: &C) -> Result<Vec<ConsumerInfo>> {
-    let ttl = chrono::Duration::from_std(CONSUMER_TTL)
-        .map_err(|_| Error::Unexpected("the consumers' time to live is out of range"))?;
     let rows = client
         .client()
         .query_typed(sql::CONSUMERS_LIST, &[])
         .await?;
     rows.iter()
         .map(|row| {
-            let expires_at: DateTime<Utc> = row.try_get("expires_at")?;
             Ok(ConsumerInfo {
                 id: row.try_get("id")?,
                 awake: row.try_get("awake")?,
                 subscriptions: row.try_get("subscriptions")?,
                 started_at: row.try_get("started_at")?,
-                last_heartbeat: expires_at - ttl,
-                expires_at,
+                last_heartbeat: row.try_get("beat_at")?,
+                expires_at: row.try_get("expires_at")?,
                 info: row.try_get("info")?,
             })
         })

@@ -150,6 +150,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "claim_floor",
         sql: include_str!("../sql/0024_claim_floor.sql"),
     },
+    Migration {
+        version: 25,
+        name: "consumer_beat_at",
+        sql: include_str!("../sql/0025_consumer_beat_at.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

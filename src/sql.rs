@@ -674,7 +674,7 @@ pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
 ///
 /// `pgbus.consumers` holds one row per running bus (a few): a scan of it.
 pub const CONSUMERS_LIST: &str = "\
-SELECT id, awake, expires_at, subscriptions, started_at, info
+SELECT id, awake, beat_at, expires_at, subscriptions, started_at, info
 FROM pgbus.consumers
 WHERE expires_at > now()
 ORDER BY id";

@@ -245,3 +245,30 @@ async fn a_listening_bus_claims_a_scheduled_delivery_when_it_is_due() {
     d.ack().await.unwrap();
     bus.shutdown().await.unwrap();
 }
+
+/// The consumers list shows each bus's own heartbeat, whatever its leader lease: with a
+/// leadership of 1 s a bus's row lives 2.5 s from its last beat (two follower beats),
+/// and the last beat moves on as the bus beats.
+#[tokio::test]
+async fn the_consumers_list_shows_a_bus_s_last_beat_at_any_leader_lease() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut bus = builder(&db, LEADERSHIP).build().unwrap();
+    bus.subscribe("s", ["*"]).unwrap();
+    let bus = bus.start().await.unwrap();
+    until_leads("the bus to lead", &bus, WAIT).await;
+    let first = pgbus::admin::consumers(&client).await.unwrap();
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(first[0].id, bus.worker_id());
+    assert_eq!(
+        first[0].expires_at - first[0].last_heartbeat,
+        chrono::Duration::milliseconds(2500),
+        "{first:?}"
+    );
+    common::wait_for("the bus to beat again", WAIT, || async {
+        let now = pgbus::admin::consumers(&client).await.unwrap();
+        now.len() == 1 && now[0].last_heartbeat > first[0].last_heartbeat
+    })
+    .await;
+    bus.shutdown().await.unwrap();
+}
