@@ -332,6 +332,58 @@ impl Delivery {
         .await
     }
 
+    /// Runs `handler` on this delivery as a running bus runs a subscription's handler, and
+    /// settles it by the outcome; returns once the settlement is written.
+    ///
+    /// The handler runs in its `pgbus.process` span, through
+    /// [`Handler::handle_with_context`](crate::Handler::handle_with_context), with a
+    /// [`Context`] whose [`ack_in`](Context::ack_in) completes the delivery in the
+    /// handler's own transaction; a panic is caught. `Ok` acknowledges the delivery (or
+    /// leaves it to the handler's `ack_in`); an error or a panic fails the attempt as
+    /// [`fail`](Delivery::fail) does. No handler timeout applies, and the context's
+    /// shutdown signal never fires: this is for a stream consumer that runs a handler of
+    /// its own, and for tests of a handler (`pgbus_testkit::work_one`).
+    ///
+    /// ```no_run
+    /// # async fn f(mut stream: pgbus::Subscription, handler: impl pgbus::Handler) -> pgbus::Result<()> {
+    /// use futures::StreamExt;
+    ///
+    /// if let Some(delivery) = stream.next().await {
+    ///     let handled = delivery.handle_with(&handler).await?;
+    ///     println!("{handled:?}");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`Delivery::ack`], for the settlement.
+    pub async fn handle_with<H: crate::Handler>(mut self, handler: &H) -> Result<Handled> {
+        self.mark_started();
+        let cx = self.context(None, tokio_util::sync::CancellationToken::new());
+        let action = crate::dispatch::invoke(handler, &self, cx.clone(), None, None).await;
+        // A run says to acknowledge or to fail, never to release.
+        let handled = match &action {
+            Action::Fail {
+                error,
+                delay,
+                permanent,
+            } => Handled::Failed {
+                error: error.clone(),
+                delay: *delay,
+                permanent: *permanent,
+            },
+            _ if cx.acked_in() => Handled::AckedIn,
+            _ => Handled::Acked,
+        };
+        if handled == Handled::AckedIn {
+            self.finish(action, true);
+        } else {
+            self.settle(action).await?;
+        }
+        Ok(handled)
+    }
+
     pub(crate) fn fail_action(&self, error: &HandlerError) -> Action {
         Action::Fail {
             error: error.message().to_string(),
@@ -387,6 +439,28 @@ impl Drop for Delivery {
             ),
         }
     }
+}
+
+/// What [`Delivery::handle_with`] did with a delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Handled {
+    /// The handler returned `Ok`: the delivery is acknowledged.
+    Acked,
+    /// The handler completed the delivery in its own transaction
+    /// ([`Context::ack_in`]) and returned `Ok`.
+    AckedIn,
+    /// The handler returned an error, or panicked: the attempt is recorded as failed with
+    /// `error`. The delivery is retried after `delay`, or dead-lettered when the error is
+    /// `permanent` or the subscription's attempts are used up.
+    Failed {
+        /// The error's text (a panic's reads `handler panicked: ...`).
+        error: String,
+        /// The retry delay: the error's own, or the subscription's backoff.
+        delay: Duration,
+        /// Whether the error asked for a dead letter at once.
+        permanent: bool,
+    },
 }
 
 /// A stream of the deliveries of one subscription, for in-process consumers.

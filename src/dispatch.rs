@@ -126,71 +126,79 @@ impl Run {
         delivery.mark_started();
         let deadline = self.timeout.map(|t| tokio::time::Instant::now() + t);
         let cx = delivery.context(deadline, self.shutdown.token().child_token());
-        let action = self.invoke(&delivery, cx.clone(), deadline).await;
+        let action = invoke(
+            &*self.handler,
+            &delivery,
+            cx.clone(),
+            deadline,
+            self.timeout,
+        )
+        .await;
         delivery.finish(action, cx.acked_in());
     }
+}
 
-    /// Runs the handler in its span, until `deadline`, catching a panic; says what to
-    /// write.
-    async fn invoke(
-        &self,
-        delivery: &Delivery,
-        cx: Context,
-        deadline: Option<tokio::time::Instant>,
-    ) -> Action {
-        let event = delivery.event();
-        // Named `process <subscription>`: subscriptions are few and known to the consumer,
-        // event names are as many as the publishers make.
-        let span = tracing::info_span!(
-            "pgbus.process",
-            otel.name = %format_args!("process {}", delivery.subscription()),
-            otel.kind = "consumer",
-            otel.status_code = tracing::field::Empty,
-            messaging.system = "pgbus",
-            messaging.operation.type = "process",
-            messaging.operation.name = "process",
-            messaging.destination.name = %event.name,
-            messaging.destination.subscription.name = %delivery.subscription(),
-            messaging.message.id = %event.id,
-            messaging.message.conversation_id = event.correlation_id.as_deref(),
-            pgbus.attempt = delivery.attempt(),
-            error.type = tracing::field::Empty,
-        );
-        // A child of the publisher's context, linked to it (`opentelemetry` feature).
-        trace_context::follow(&span, event);
-        // Called inside the future, so that a handler panicking before it returns its
-        // future (a closure's synchronous part) is caught too.
-        let run = AssertUnwindSafe(async { self.handler.call(event, cx).await }).catch_unwind();
-        let outcome = match deadline {
-            Some(t) => tokio::time::timeout_at(t, run)
-                .instrument(span.clone())
-                .await
-                .ok(),
-            None => Some(run.instrument(span.clone()).await),
-        };
-        let (error, kind) = match outcome {
-            Some(Ok(Ok(()))) => return Action::Ack,
-            Some(Ok(Err(e))) => {
-                span.in_scope(|| tracing::debug!(error = %e, "pgbus handler failed"));
-                (e, "handler_error")
-            }
-            Some(Err(panic)) => {
-                let msg = format!("handler panicked: {}", panic_message(&*panic));
-                span.in_scope(|| crate::warn_limited!(error = %msg, "pgbus handler panicked"));
-                (HandlerError::new(msg), "panic")
-            }
-            None => (
-                HandlerError::new(format!(
-                    "handler timed out after {:?}",
-                    self.timeout.unwrap_or_default()
-                )),
-                "timeout",
-            ),
-        };
-        span.record("error.type", kind);
-        span.record("otel.status_code", "error");
-        delivery.fail_action(&error)
-    }
+/// Runs `handler` on `delivery` in its `pgbus.process` span, until `deadline` (the
+/// handler's `timeout` from its start), catching a panic; says what to write.
+pub(crate) async fn invoke(
+    handler: &dyn DynHandler,
+    delivery: &Delivery,
+    cx: Context,
+    deadline: Option<tokio::time::Instant>,
+    timeout: Option<Duration>,
+) -> Action {
+    let event = delivery.event();
+    // Named `process <subscription>`: subscriptions are few and known to the consumer,
+    // event names are as many as the publishers make.
+    let span = tracing::info_span!(
+        "pgbus.process",
+        otel.name = %format_args!("process {}", delivery.subscription()),
+        otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
+        messaging.system = "pgbus",
+        messaging.operation.type = "process",
+        messaging.operation.name = "process",
+        messaging.destination.name = %event.name,
+        messaging.destination.subscription.name = %delivery.subscription(),
+        messaging.message.id = %event.id,
+        messaging.message.conversation_id = event.correlation_id.as_deref(),
+        pgbus.attempt = delivery.attempt(),
+        error.type = tracing::field::Empty,
+    );
+    // A child of the publisher's context, linked to it (`opentelemetry` feature).
+    trace_context::follow(&span, event);
+    // Called inside the future, so that a handler panicking before it returns its
+    // future (a closure's synchronous part) is caught too.
+    let run = AssertUnwindSafe(async { handler.call(event, cx).await }).catch_unwind();
+    let outcome = match deadline {
+        Some(t) => tokio::time::timeout_at(t, run)
+            .instrument(span.clone())
+            .await
+            .ok(),
+        None => Some(run.instrument(span.clone()).await),
+    };
+    let (error, kind) = match outcome {
+        Some(Ok(Ok(()))) => return Action::Ack,
+        Some(Ok(Err(e))) => {
+            span.in_scope(|| tracing::debug!(error = %e, "pgbus handler failed"));
+            (e, "handler_error")
+        }
+        Some(Err(panic)) => {
+            let msg = format!("handler panicked: {}", panic_message(&*panic));
+            span.in_scope(|| crate::warn_limited!(error = %msg, "pgbus handler panicked"));
+            (HandlerError::new(msg), "panic")
+        }
+        None => (
+            HandlerError::new(format!(
+                "handler timed out after {:?}",
+                timeout.unwrap_or_default()
+            )),
+            "timeout",
+        ),
+    };
+    span.record("error.type", kind);
+    span.record("otel.status_code", "error");
+    delivery.fail_action(&error)
 }
 
 /// The text of a panic payload.

@@ -82,7 +82,7 @@ pub use bus::{
 };
 pub use connect::{ConnectConfig, DEFAULT_CONNECT_TIMEOUT, ServerStream, SslMode};
 pub use context::Context;
-pub use delivery::{Delivery, Subscription};
+pub use delivery::{Delivery, Handled, Subscription};
 pub use error::{
     ConnectPhase, Error, Grant, HandlerError, LockHolder, MAX_ERROR_TEXT, PoolError, Result,
 };

@@ -42,6 +42,8 @@
 //!   (committed, or in the transaction given), by name and payload.
 //! - [`wait_for`], [`within`], [`count`], [`wait_count`], [`wait_settled`]: waiting, with a
 //!   deadline, for what happens in the background.
+//! - [`work_one`], [`work_one_with`]: run one subscription's handler on one delivery, as
+//!   a running bus would, and read what it came to.
 //! - [`embedded`]: the throwaway PostgreSQL server itself.
 //! - [`tls`]: a PostgreSQL server that accepts TCP connections over TLS only, with its
 //!   certificates; [`pgbouncer`]: PgBouncer in transaction mode, configured so that
@@ -77,6 +79,7 @@ mod published;
 #[cfg(unix)]
 pub mod tls;
 mod wait;
+mod work;
 
 use tokio_postgres::config::Host;
 use tokio_postgres::{Client, Config, NoTls};
@@ -91,6 +94,7 @@ pub use wait::{
     WAIT, WORK_LEFT, count, count_after_fan_out, fan_out, wait_count, wait_for, wait_settled,
     within,
 };
+pub use work::{WORK_WAIT, Worked, work_one, work_one_with};
 
 /// pgbus's statements, for tests and benchmarks that run or explain them directly
 /// (`pgbus_testkit::sql::CLAIM`). Not part of pgbus's API: no semver promise.
