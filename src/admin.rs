@@ -1618,8 +1618,8 @@ async fn read_fan_out_backlog<C: GenericClient>(client: &C) -> Result<FanOutBack
 /// database with a snapshot or a transaction id (a session idle in transaction, a long
 /// query or report, a prepared transaction), and the oldest xmin of a replication slot.
 /// While one is held, VACUUM cannot remove what settled deliveries leave behind, and
-/// the claims and settlements slow down as they walk past it (README, "A long
-/// transaction"). [`XminHorizon::record`] sets its gauges.
+/// the claims and settlements slow down as they walk past it (docs/operations.md, "A
+/// long transaction"). [`XminHorizon::record`] sets its gauges.
 ///
 /// # Errors
 ///

@@ -780,7 +780,7 @@ impl BusBuilder {
     /// them) and set as the gauge
     /// [`OLDEST_TRANSACTION_AGE`](crate::metrics::OLDEST_TRANSACTION_AGE). While such a
     /// transaction lasts, VACUUM cannot remove what settled deliveries leave behind and
-    /// the bus slows down (README, "A long transaction"). `None`: no warning.
+    /// the bus slows down (docs/operations.md, "A long transaction"). `None`: no warning.
     pub fn long_transaction_warning(mut self, after: Option<Duration>) -> Self {
         self.opts.long_transaction = after;
         self

@@ -133,3 +133,13 @@ pub mod __private {
 #[doc = include_str!("../README.md")]
 #[cfg(all(doctest, feature = "sqlx", feature = "opentelemetry"))]
 pub struct ReadmeDoctests;
+
+/// The examples of the guide to TLS and poolers, compiled as doc tests (as the README's).
+#[doc = include_str!("../docs/connecting.md")]
+#[cfg(all(doctest, feature = "sqlx", feature = "opentelemetry"))]
+pub struct ConnectingDoctests;
+
+/// The examples of the operations guide (metrics, tracing), compiled as doc tests.
+#[doc = include_str!("../docs/operations.md")]
+#[cfg(all(doctest, feature = "sqlx", feature = "opentelemetry"))]
+pub struct OperationsDoctests;

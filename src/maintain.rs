@@ -561,7 +561,7 @@ impl Maintainer {
                 transaction = horizon.oldest_transaction.as_deref().unwrap_or(""),
                 "pgbus sees a long transaction holding the xmin horizon back: VACUUM cannot \
                  remove settled deliveries until it ends, and claims slow down (end it, or \
-                 see the README's \"A long transaction\")"
+                 see docs/operations.md, \"A long transaction\")"
             );
         }
     }

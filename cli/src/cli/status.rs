@@ -203,7 +203,7 @@ fn show(status: &Status, as_json: bool) -> String {
         let _ = writeln!(
             text,
             "WARNING: a long transaction: VACUUM cannot remove settled deliveries until it \
-             ends, and claims slow down (end it; see the README, \"A long transaction\")"
+             ends, and claims slow down (end it; see docs/operations.md, \"A long transaction\")"
         );
     }
     text
