@@ -155,6 +155,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "consumer_beat_at",
         sql: include_str!("../sql/0025_consumer_beat_at.sql"),
     },
+    Migration {
+        version: 26,
+        name: "settle_by_key",
+        sql: include_str!("../sql/0026_settle_by_key.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]
