@@ -1,7 +1,9 @@
 //! In-process consumption: [`Delivery`] (one claimed event with its lease) and
-//! [`Subscription`] (a stream of them).
+//! [`Subscription`] (a stream of them), and one handler run on a delivery (its span, its
+//! context, a panic caught), which the dispatcher and [`Delivery::handle_with`] share.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{self, Poll};
@@ -9,14 +11,17 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use futures::Stream;
+use futures::{FutureExt, Stream};
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
 
 use crate::context::Context;
 use crate::error::{Error, HandlerError, Result};
 use crate::event::Event;
+use crate::handler::DynHandler;
 use crate::settle::{Action, Outcome, Settler};
 use crate::slot::{Slot, Sub};
+use crate::trace_context;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -361,7 +366,7 @@ impl Delivery {
     pub async fn handle_with<H: crate::Handler>(mut self, handler: &H) -> Result<Handled> {
         self.mark_started();
         let cx = self.context(None, tokio_util::sync::CancellationToken::new());
-        let action = crate::dispatch::invoke(handler, &self, cx.clone(), None, None).await;
+        let action = self.invoke(handler, cx.clone(), None, None).await;
         // A run says to acknowledge or to fail, never to release.
         let handled = match &action {
             Action::Fail {
@@ -382,6 +387,71 @@ impl Delivery {
             self.settle(action).await?;
         }
         Ok(handled)
+    }
+
+    /// Runs `handler` on this delivery in its `pgbus.process` span, until `deadline` (the
+    /// handler's `timeout` from its start), catching a panic; says what to write. The bus's
+    /// dispatcher and [`Delivery::handle_with`] both run handlers through here.
+    pub(crate) async fn invoke(
+        &self,
+        handler: &dyn DynHandler,
+        cx: Context,
+        deadline: Option<tokio::time::Instant>,
+        timeout: Option<Duration>,
+    ) -> Action {
+        let delivery = self;
+        let event = delivery.event();
+        // Named `process <subscription>`: subscriptions are few and known to the consumer,
+        // event names are as many as the publishers make.
+        let span = tracing::info_span!(
+            "pgbus.process",
+            otel.name = %format_args!("process {}", delivery.subscription()),
+            otel.kind = "consumer",
+            otel.status_code = tracing::field::Empty,
+            messaging.system = "pgbus",
+            messaging.operation.type = "process",
+            messaging.operation.name = "process",
+            messaging.destination.name = %event.name,
+            messaging.destination.subscription.name = %delivery.subscription(),
+            messaging.message.id = %event.id,
+            messaging.message.conversation_id = event.correlation_id.as_deref(),
+            pgbus.attempt = delivery.attempt(),
+            error.type = tracing::field::Empty,
+        );
+        // A child of the publisher's context, linked to it (`opentelemetry` feature).
+        trace_context::follow(&span, event);
+        // Called inside the future, so that a handler panicking before it returns its
+        // future (a closure's synchronous part) is caught too.
+        let run = AssertUnwindSafe(async { handler.call(event, cx).await }).catch_unwind();
+        let outcome = match deadline {
+            Some(t) => tokio::time::timeout_at(t, run)
+                .instrument(span.clone())
+                .await
+                .ok(),
+            None => Some(run.instrument(span.clone()).await),
+        };
+        let (error, kind) = match outcome {
+            Some(Ok(Ok(()))) => return Action::Ack,
+            Some(Ok(Err(e))) => {
+                span.in_scope(|| tracing::debug!(error = %e, "pgbus handler failed"));
+                (e, "handler_error")
+            }
+            Some(Err(panic)) => {
+                let msg = format!("handler panicked: {}", panic_message(&*panic));
+                span.in_scope(|| crate::warn_limited!(error = %msg, "pgbus handler panicked"));
+                (HandlerError::new(msg), "panic")
+            }
+            None => (
+                HandlerError::new(format!(
+                    "handler timed out after {:?}",
+                    timeout.unwrap_or_default()
+                )),
+                "timeout",
+            ),
+        };
+        span.record("error.type", kind);
+        span.record("otel.status_code", "error");
+        delivery.fail_action(&error)
     }
 
     pub(crate) fn fail_action(&self, error: &HandlerError) -> Action {
@@ -511,5 +581,16 @@ impl Stream for Subscription {
             }
             other => other,
         }
+    }
+}
+
+/// The text of a panic payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic payload".to_string()
     }
 }

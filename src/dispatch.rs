@@ -3,22 +3,16 @@
 //! in-process stream.
 
 use std::collections::HashMap;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{FutureExt, Stream, StreamExt};
+use futures::{Stream, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
-use tracing::Instrument;
 
-use crate::context::Context;
 use crate::delivery::Delivery;
-use crate::error::HandlerError;
 use crate::handler::DynHandler;
-use crate::settle::Action;
 use crate::shutdown::Shutdown;
-use crate::trace_context;
 
 /// Where a subscription's deliveries go.
 pub(crate) enum Target {
@@ -126,88 +120,9 @@ impl Run {
         delivery.mark_started();
         let deadline = self.timeout.map(|t| tokio::time::Instant::now() + t);
         let cx = delivery.context(deadline, self.shutdown.token().child_token());
-        let action = invoke(
-            &*self.handler,
-            &delivery,
-            cx.clone(),
-            deadline,
-            self.timeout,
-        )
-        .await;
+        let action = delivery
+            .invoke(&*self.handler, cx.clone(), deadline, self.timeout)
+            .await;
         delivery.finish(action, cx.acked_in());
-    }
-}
-
-/// Runs `handler` on `delivery` in its `pgbus.process` span, until `deadline` (the
-/// handler's `timeout` from its start), catching a panic; says what to write.
-pub(crate) async fn invoke(
-    handler: &dyn DynHandler,
-    delivery: &Delivery,
-    cx: Context,
-    deadline: Option<tokio::time::Instant>,
-    timeout: Option<Duration>,
-) -> Action {
-    let event = delivery.event();
-    // Named `process <subscription>`: subscriptions are few and known to the consumer,
-    // event names are as many as the publishers make.
-    let span = tracing::info_span!(
-        "pgbus.process",
-        otel.name = %format_args!("process {}", delivery.subscription()),
-        otel.kind = "consumer",
-        otel.status_code = tracing::field::Empty,
-        messaging.system = "pgbus",
-        messaging.operation.type = "process",
-        messaging.operation.name = "process",
-        messaging.destination.name = %event.name,
-        messaging.destination.subscription.name = %delivery.subscription(),
-        messaging.message.id = %event.id,
-        messaging.message.conversation_id = event.correlation_id.as_deref(),
-        pgbus.attempt = delivery.attempt(),
-        error.type = tracing::field::Empty,
-    );
-    // A child of the publisher's context, linked to it (`opentelemetry` feature).
-    trace_context::follow(&span, event);
-    // Called inside the future, so that a handler panicking before it returns its
-    // future (a closure's synchronous part) is caught too.
-    let run = AssertUnwindSafe(async { handler.call(event, cx).await }).catch_unwind();
-    let outcome = match deadline {
-        Some(t) => tokio::time::timeout_at(t, run)
-            .instrument(span.clone())
-            .await
-            .ok(),
-        None => Some(run.instrument(span.clone()).await),
-    };
-    let (error, kind) = match outcome {
-        Some(Ok(Ok(()))) => return Action::Ack,
-        Some(Ok(Err(e))) => {
-            span.in_scope(|| tracing::debug!(error = %e, "pgbus handler failed"));
-            (e, "handler_error")
-        }
-        Some(Err(panic)) => {
-            let msg = format!("handler panicked: {}", panic_message(&*panic));
-            span.in_scope(|| crate::warn_limited!(error = %msg, "pgbus handler panicked"));
-            (HandlerError::new(msg), "panic")
-        }
-        None => (
-            HandlerError::new(format!(
-                "handler timed out after {:?}",
-                timeout.unwrap_or_default()
-            )),
-            "timeout",
-        ),
-    };
-    span.record("error.type", kind);
-    span.record("otel.status_code", "error");
-    delivery.fail_action(&error)
-}
-
-/// The text of a panic payload.
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a non-string panic payload".to_string()
     }
 }
