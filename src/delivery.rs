@@ -399,23 +399,22 @@ impl Delivery {
         deadline: Option<tokio::time::Instant>,
         timeout: Option<Duration>,
     ) -> Action {
-        let delivery = self;
-        let event = delivery.event();
+        let event = self.event();
         // Named `process <subscription>`: subscriptions are few and known to the consumer,
         // event names are as many as the publishers make.
         let span = tracing::info_span!(
             "pgbus.process",
-            otel.name = %format_args!("process {}", delivery.subscription()),
+            otel.name = %format_args!("process {}", self.subscription()),
             otel.kind = "consumer",
             otel.status_code = tracing::field::Empty,
             messaging.system = "pgbus",
             messaging.operation.type = "process",
             messaging.operation.name = "process",
             messaging.destination.name = %event.name,
-            messaging.destination.subscription.name = %delivery.subscription(),
+            messaging.destination.subscription.name = %self.subscription(),
             messaging.message.id = %event.id,
             messaging.message.conversation_id = event.correlation_id.as_deref(),
-            pgbus.attempt = delivery.attempt(),
+            pgbus.attempt = self.attempt(),
             error.type = tracing::field::Empty,
         );
         // A child of the publisher's context, linked to it (`opentelemetry` feature).
@@ -451,7 +450,7 @@ impl Delivery {
         };
         span.record("error.type", kind);
         span.record("otel.status_code", "error");
-        delivery.fail_action(&error)
+        self.fail_action(&error)
     }
 
     pub(crate) fn fail_action(&self, error: &HandlerError) -> Action {

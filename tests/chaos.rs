@@ -198,8 +198,6 @@ type Settled = (String, String, String, i32, String);
 #[derive(Default)]
 struct Record {
     runs: Mutex<Vec<Run>>,
-    /// Settlements a child or stream consumer saw rejected as stale, per consumer.
-    lease_lost: Mutex<HashMap<String, u64>>,
     /// Every settlement a child reported: consumer, subscription, event id, attempt and
     /// result (`applied`, `lease_lost` or an error).
     settled: Mutex<Vec<Settled>>,
@@ -226,15 +224,6 @@ impl Record {
                     line["attempt"].as_i64().unwrap_or(0) as i32,
                     s("result"),
                 ));
-                if line["result"] != "lease_lost" {
-                    return;
-                }
-                *self
-                    .lease_lost
-                    .lock()
-                    .unwrap()
-                    .entry(consumer.to_string())
-                    .or_default() += 1;
             }
             _ => {}
         }
@@ -257,13 +246,18 @@ impl Record {
             .collect()
     }
 
-    fn lease_lost(&self, consumer: &str) -> u64 {
-        self.lease_lost
+    /// The settlements `consumer` saw rejected as stale; `None`: every consumer's.
+    fn lease_lost_by(&self, consumer: Option<&str>) -> u64 {
+        self.settled
             .lock()
             .unwrap()
-            .get(consumer)
-            .copied()
-            .unwrap_or(0)
+            .iter()
+            .filter(|(c, .., result)| result == "lease_lost" && consumer.is_none_or(|n| n == c))
+            .count() as u64
+    }
+
+    fn lease_lost(&self, consumer: &str) -> u64 {
+        self.lease_lost_by(Some(consumer))
     }
 
     /// The handler of this process's handler bus: fails the first runs (here) of the
@@ -1037,7 +1031,7 @@ async fn chaos_soak_loses_nothing() {
     let claim_warnings = logs.count("pgbus claim failed; retrying");
     let warnings =
         logs.count(" WARN ") + logs.count(" ERROR ") - logs.count("pgbus handler panicked");
-    let stale_reported: u64 = record.lease_lost.lock().unwrap().values().sum();
+    let stale_reported = record.lease_lost_by(None);
 
     let o = outcomes.lock().unwrap();
     println!(

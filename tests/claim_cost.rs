@@ -183,11 +183,7 @@ async fn a_claim_from_its_floor_skips_what_was_claimed_behind_an_open_transactio
         )
         .await
         .unwrap();
-    let holder = db.connect().await;
-    holder
-        .batch_execute("BEGIN; SELECT pg_current_xact_id();")
-        .await
-        .unwrap();
+    let holder = hold_horizon(&db).await;
 
     let no_floor: Floors = vec![None];
     let mut floors = no_floor.clone();
@@ -222,6 +218,17 @@ async fn claim_index_reads(client: &mut tokio_postgres::Client, floors: Floors) 
     assert_eq!(count_claimed(&tx, "s").await, 26 * CLAIM_BATCH);
     tx.rollback().await.unwrap();
     after - before
+}
+
+/// A session of `db` idle in a transaction that holds an xid: the xmin horizon stays
+/// where it is until the session rolls back.
+async fn hold_horizon(db: &common::TestDb) -> tokio_postgres::Client {
+    let holder = db.connect().await;
+    holder
+        .batch_execute("BEGIN; SELECT pg_current_xact_id();")
+        .await
+        .unwrap();
+    holder
 }
 
 /// The claim statement's floors (`$8`), one per subscription.
@@ -291,11 +298,7 @@ async fn a_settlement_behind_an_open_transaction_reads_only_what_it_settles() {
     pgbus::admin::register_subscription(&client, "s", &["*"], 25)
         .await
         .unwrap();
-    let holder = db.connect().await;
-    holder
-        .batch_execute("BEGIN; SELECT pg_current_xact_id();")
-        .await
-        .unwrap();
+    let holder = hold_horizon(&db).await;
     publish_many(&client, "x", 2_500).await;
     for _ in 0..25 {
         assert_eq!(claim_from(&client, &vec![None]).await.len(), 100);
@@ -353,11 +356,7 @@ async fn an_ordered_settlement_behind_an_open_transaction_promotes_by_key() {
     )
     .await
     .unwrap();
-    let holder = db.connect().await;
-    holder
-        .batch_execute("BEGIN; SELECT pg_current_xact_id();")
-        .await
-        .unwrap();
+    let holder = hold_horizon(&db).await;
     client
         .batch_execute(
             "INSERT INTO pgbus.events (event_name, payload, aggregate_type, aggregate_id) \
