@@ -491,6 +491,7 @@ impl Drop for TestDb {
 /// # Panics
 ///
 /// As [`test_db`].
+#[cfg(feature = "fixtures")]
 pub(crate) async fn server_config() -> Config {
     spawn_blocking(server).await.admin.clone()
 }

@@ -45,6 +45,10 @@
 //! - [`work_one`], [`work_one_with`]: run one subscription's handler on one delivery, as
 //!   a running bus would, and read what it came to.
 //! - [`embedded`]: the throwaway PostgreSQL server itself.
+//!
+//! With the `fixtures` feature, the servers and data of pgbus's own tests and
+//! benchmarks, which a service's tests do not need:
+//!
 //! - [`tls`]: a PostgreSQL server that accepts TCP connections over TLS only, with its
 //!   certificates; [`pgbouncer`]: PgBouncer in transaction mode, configured so that
 //!   whatever a client leaves on a server connection is gone at the next transaction;
@@ -61,22 +65,29 @@
 //! [`connect`], [`url`], [`conninfo`] and the assertions on what was published work
 //! everywhere.
 
-#[cfg(unix)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[cfg(all(unix, feature = "fixtures"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "fixtures")))]
 pub mod bench;
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fixtures"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "fixtures")))]
 pub mod browser;
 #[cfg(unix)]
 pub mod embedded;
 #[cfg(unix)]
 mod harness;
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fixtures"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "fixtures")))]
 pub mod nats;
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fixtures"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "fixtures")))]
 pub mod pgbouncer;
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fixtures"))]
 mod process;
 mod published;
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fixtures"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "fixtures")))]
 pub mod tls;
 mod wait;
 mod work;
@@ -103,7 +114,8 @@ pub use pgbus::__private::sql;
 
 /// What can go wrong starting a fixture: a [`tls::TlsServer`] or a
 /// [`pgbouncer::PgBouncer`].
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fixtures"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "fixtures")))]
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum FixtureError {
@@ -228,7 +240,7 @@ pub enum FixtureError {
 }
 
 /// The server's message for a database error (tokio-postgres's own says `db error`).
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fixtures"))]
 fn describe(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
@@ -239,7 +251,7 @@ fn describe(e: &tokio_postgres::Error) -> String {
 /// A TCP port of `127.0.0.1` that was free a moment ago (the system's choice for a
 /// listener bound to port 0). Another process may take it before the caller binds it: a
 /// start that fails so tries another.
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fixtures"))]
 pub(crate) fn free_port() -> Result<u16, FixtureError> {
     std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
         .and_then(|listener| listener.local_addr())
