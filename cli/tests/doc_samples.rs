@@ -1,0 +1,189 @@
+//! Every command sample in the docs is captured from a real run.
+//!
+//! A ```console block in README.md or docs/*.md (ARCHITECTURE.md aside) is preceded by a
+//! marker comment, `<!-- sample: NAME -->`, naming a scenario: the bash script
+//! `cli/tests/samples/NAME.sh`. The test runs each scenario against a fresh database of
+//! its own (`DATABASE_URL` exported, the built `pgbus` first on `PATH`), after
+//! `samples/prelude.sh`, whose `run` prints `$ command` and then the command's output.
+//! The transcript, normalised (ids, times, durations, paths and ports replaced by
+//! placeholders, on both sides), must equal the block's, also normalised; a block with no
+//! marker fails the test, so a new sample cannot escape capture.
+//!
+//! `PGBUS_UPDATE_SAMPLES=1` (what `scripts/samples` sets) rewrites each block with its
+//! captured transcript instead of comparing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+mod common;
+
+const MARKER: &str = "<!-- sample: ";
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn doc_files() -> Vec<PathBuf> {
+    let mut files = vec![root().join("README.md")];
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "md")
+                && p.file_name().is_some_and(|n| n != "ARCHITECTURE.md")
+        })
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    files
+}
+
+/// One console block: its scenario (None when unmarked), the line range of its body.
+struct Block {
+    scenario: Option<String>,
+    body_start: usize,
+    body_end: usize,
+}
+
+fn blocks(lines: &[&str]) -> Vec<Block> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        if lines[i].trim_end() == "```console" {
+            let scenario = (0..i)
+                .rev()
+                .find(|&j| !lines[j].trim().is_empty())
+                .and_then(|j| lines[j].trim().strip_prefix(MARKER))
+                .and_then(|m| m.strip_suffix("-->"))
+                .map(|m| m.trim().to_string());
+            let start = i + 1;
+            let mut end = start;
+            while end < lines.len() && lines[end].trim_end() != "```" {
+                end += 1;
+            }
+            out.push(Block {
+                scenario,
+                body_start: start,
+                body_end: end,
+            });
+            i = end + 1;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Replaces what differs from run to run by placeholders, word by word: ids, times,
+/// durations and temporary paths.
+fn normalise(text: &str) -> String {
+    text.lines()
+        .map(|line| {
+            line.split(' ')
+                .map(normalise_word)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
+}
+
+fn normalise_word(word: &str) -> String {
+    let core = word.trim_matches(|c: char| "()[],;'\"".contains(c));
+    let is_uuid = core.len() == 36
+        && core.chars().all(|c| c.is_ascii_hexdigit() || c == '-')
+        && core.matches('-').count() == 4;
+    let digits = core.trim_start_matches(|c: char| c.is_ascii_digit() || c == '.');
+    let is_duration =
+        digits.len() < core.len() && ["ns", "µs", "us", "ms", "s", "m", "h"].contains(&digits);
+    let is_time = core.chars().filter(|c| c.is_ascii_digit()).count() >= 6
+        && (core.contains(':') || core.matches('-').count() == 2)
+        && core
+            .chars()
+            .all(|c| c.is_ascii_digit() || "-:.TZ+".contains(c));
+    let placeholder = if is_uuid {
+        "<uuid>"
+    } else if is_duration {
+        "<duration>"
+    } else if is_time {
+        "<time>"
+    } else if core.starts_with("/tmp/") {
+        "<path>"
+    } else {
+        return word.to_string();
+    };
+    word.replacen(core, placeholder, 1)
+}
+
+async fn capture(scenario: &str) -> String {
+    let db = common::test_db().await;
+    let bin = Path::new(env!("CARGO_BIN_EXE_pgbus")).parent().unwrap();
+    let samples = root().join("cli/tests/samples");
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let script = format!(
+        "set -o pipefail\n. {}\n. {}\n",
+        samples.join("prelude.sh").display(),
+        samples.join(format!("{scenario}.sh")).display()
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("bash")
+            .arg("-c")
+            .arg(script)
+            .env("PATH", path)
+            .env("DATABASE_URL", db.url())
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_console_block_in_the_docs_matches_a_run_of_its_scenario() {
+    let update = std::env::var_os("PGBUS_UPDATE_SAMPLES").is_some();
+    let mut failures = Vec::new();
+    for file in doc_files() {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        let mut rewritten: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+        for block in blocks(&lines).into_iter().rev() {
+            let Some(scenario) = block.scenario else {
+                failures.push(format!(
+                    "{}:{}: a console block with no `{MARKER}NAME -->` marker",
+                    file.display(),
+                    block.body_start
+                ));
+                continue;
+            };
+            let captured = capture(&scenario).await;
+            let shown = lines[block.body_start..block.body_end].join("\n") + "\n";
+            if update {
+                rewritten.splice(
+                    block.body_start..block.body_end,
+                    captured.lines().map(str::to_string),
+                );
+            } else if normalise(&captured) != normalise(&shown) {
+                failures.push(format!(
+                    "{}:{}: sample `{scenario}` no longer matches its run\n--- doc\n{}--- run\n{}",
+                    file.display(),
+                    block.body_start,
+                    normalise(&shown),
+                    normalise(&captured)
+                ));
+            }
+        }
+        if update {
+            std::fs::write(&file, rewritten.join("\n") + "\n").unwrap();
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}

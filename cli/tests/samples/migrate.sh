@@ -1,0 +1,2 @@
+run pgbus migrate
+run pgbus migrate
