@@ -1,2 +1,6 @@
-run pgbus migrate
-run pgbus migrate
+run <<'CMD'
+pgbus migrate
+CMD
+run <<'CMD'
+pgbus migrate
+CMD
