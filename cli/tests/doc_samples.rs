@@ -128,23 +128,35 @@ async fn capture(scenario: &str) -> String {
         bin.display(),
         std::env::var("PATH").unwrap_or_default()
     );
+    let dir = std::env::temp_dir().join(format!("pgbus-sample-{}-{scenario}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let transcript = dir.join("transcript");
     let script = format!(
-        "set -o pipefail\n. {}\n. {}\n",
+        ". {}\n. {}\n",
         samples.join("prelude.sh").display(),
         samples.join(format!("{scenario}.sh")).display()
     );
-    let out = tokio::task::spawn_blocking(move || {
+    let name = scenario.to_string();
+    let transcript2 = transcript.clone();
+    let status = tokio::task::spawn_blocking(move || {
         Command::new("bash")
             .arg("-c")
             .arg(script)
+            .current_dir(&dir)
             .env("PATH", path)
             .env("DATABASE_URL", db.url())
-            .output()
+            .env("TRANSCRIPT", &transcript2)
+            .status()
             .unwrap()
     })
     .await
     .unwrap();
-    String::from_utf8(out.stdout).unwrap()
+    let text = std::fs::read_to_string(&transcript).unwrap_or_default();
+    assert!(
+        status.success(),
+        "scenario `{name}` failed ({status}):\n{text}"
+    );
+    text
 }
 
 #[tokio::test(flavor = "multi_thread")]

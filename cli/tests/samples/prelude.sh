@@ -11,3 +11,28 @@ run() {
     eval "$cmd" 2>&1
     __status=$?
 }
+
+# The transcript is a file, so a scenario can wait for what a background command has
+# printed: `await PATTERN` polls it (grep -E) until a line matches, and fails the
+# scenario after $SAMPLE_TIMEOUT seconds (20 by default).
+exec >"$TRANSCRIPT" 2>&1
+# Job control: background commands get SIGINT as a terminal's Ctrl-C sends it.
+set -m
+await() {
+    local deadline=$((SECONDS + ${SAMPLE_TIMEOUT:-20}))
+    until grep -Eq -- "$1" "$TRANSCRIPT"; do
+        if ((SECONDS >= deadline)); then
+            echo "sample: timed out waiting for /$1/" >&2
+            exit 1
+        fi
+        sleep 0.05
+    done
+}
+
+# `interrupt JOB` shows `^C` and sends SIGINT to a command `run` started with `&` (the
+# transcript shows it as if it had run in the foreground), then waits for it to end.
+interrupt() {
+    echo '^C'
+    kill -INT "$1"
+    wait "$1"
+}
