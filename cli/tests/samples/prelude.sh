@@ -34,5 +34,5 @@ await() {
 interrupt() {
     echo '^C'
     kill -INT "$1"
-    wait "$1"
+    { wait "$1"; } 2>/dev/null
 }

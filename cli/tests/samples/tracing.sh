@@ -10,4 +10,4 @@ await '^00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01$'
 run <<'CMD'
 kill %1
 CMD
-wait
+{ wait; } 2>/dev/null
