@@ -171,7 +171,7 @@ async fn every_console_block_in_the_docs_matches_a_run_of_its_scenario() {
             let Some(scenario) = block.scenario else {
                 failures.push(format!(
                     "{}:{}: a console block with no `{MARKER}NAME -->` marker",
-                    file.display(),
+                    file.strip_prefix(root()).unwrap_or(&file).display(),
                     block.body_start
                 ));
                 continue;
@@ -186,7 +186,7 @@ async fn every_console_block_in_the_docs_matches_a_run_of_its_scenario() {
             } else if normalise(&captured) != normalise(&shown) {
                 failures.push(format!(
                     "{}:{}: sample `{scenario}` no longer matches its run\n--- doc\n{}--- run\n{}",
-                    file.display(),
+                    file.strip_prefix(root()).unwrap_or(&file).display(),
                     block.body_start,
                     normalise(&shown),
                     normalise(&captured)
