@@ -41,9 +41,17 @@ fn doc_files() -> Vec<PathBuf> {
     files
 }
 
-/// One console block: its scenario (None when unmarked), the line range of its body.
+/// What a block's marker names.
+enum Sample {
+    /// `<!-- sample: NAME -->`: the scenario that prints the block.
+    Scenario(String),
+    /// `<!-- sample: none, reason: WHY -->`: a block that cannot be captured, and why.
+    Exempt,
+}
+
+/// One console block: its marker (None when unmarked), the line range of its body.
 struct Block {
-    scenario: Option<String>,
+    sample: Option<Sample>,
     body_start: usize,
     body_end: usize,
 }
@@ -53,19 +61,26 @@ fn blocks(lines: &[&str]) -> Vec<Block> {
     let mut i = 0;
     while i < lines.len() {
         if lines[i].trim_end() == "```console" {
-            let scenario = (0..i)
+            let sample = (0..i)
                 .rev()
                 .find(|&j| !lines[j].trim().is_empty())
                 .and_then(|j| lines[j].trim().strip_prefix(MARKER))
                 .and_then(|m| m.strip_suffix("-->"))
-                .map(|m| m.trim().to_string());
+                .and_then(|m| {
+                    let m = m.trim();
+                    match m.strip_prefix("none, reason:") {
+                        Some(reason) if !reason.trim().is_empty() => Some(Sample::Exempt),
+                        Some(_) => None,
+                        None => Some(Sample::Scenario(m.to_string())),
+                    }
+                });
             let start = i + 1;
             let mut end = start;
             while end < lines.len() && lines[end].trim_end() != "```" {
                 end += 1;
             }
             out.push(Block {
-                scenario,
+                sample,
                 body_start: start,
                 body_end: end,
             });
@@ -82,6 +97,13 @@ fn blocks(lines: &[&str]) -> Vec<Block> {
 fn normalise(text: &str) -> String {
     text.lines()
         .map(|line| {
+            // A gauge of age: how long the run took to get there.
+            if let Some((labels, _age)) = line
+                .strip_prefix("pgbus_oldest_due_age_seconds")
+                .and_then(|series| series.rsplit_once(' '))
+            {
+                return format!("pgbus_oldest_due_age_seconds{labels} <seconds>");
+            }
             line.split(' ')
                 .map(normalise_word)
                 .collect::<Vec<_>>()
@@ -93,6 +115,14 @@ fn normalise(text: &str) -> String {
 }
 
 fn normalise_word(word: &str) -> String {
+    // JSON (one word, no spaces): each string's text apart.
+    if word.contains('"') {
+        return word
+            .split('"')
+            .map(normalise_word)
+            .collect::<Vec<_>>()
+            .join("\"");
+    }
     let core = word.trim_matches(|c: char| "()[],;'\"".contains(c));
     let is_uuid = core.len() == 36
         && core.chars().all(|c| c.is_ascii_hexdigit() || c == '-')
@@ -113,6 +143,15 @@ fn normalise_word(word: &str) -> String {
         "<time>"
     } else if core.starts_with("/tmp/") {
         "<path>"
+    } else if let Some(at) = core.find("127.0.0.1:") {
+        // A port picked free at each run: `127.0.0.1:PORT`, in an address or a URL.
+        let port = &core[at + "127.0.0.1:".len()..];
+        let digits = port.len() - port.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        if digits == 0 {
+            return word.to_string();
+        }
+        let number = &port[..digits];
+        return word.replacen(&format!("127.0.0.1:{number}"), "127.0.0.1:<port>", 1);
     } else {
         return word.to_string();
     };
@@ -137,6 +176,7 @@ async fn capture(scenario: &str) -> String {
         samples.join(format!("{scenario}.sh")).display()
     );
     let name = scenario.to_string();
+    let samples = samples.clone();
     let transcript2 = transcript.clone();
     let status = tokio::task::spawn_blocking(move || {
         Command::new("bash")
@@ -146,6 +186,7 @@ async fn capture(scenario: &str) -> String {
             .env("PATH", path)
             .env("DATABASE_URL", db.url())
             .env("TRANSCRIPT", &transcript2)
+            .env("SAMPLES", &samples)
             .status()
             .unwrap()
     })
@@ -163,38 +204,59 @@ async fn capture(scenario: &str) -> String {
 async fn every_console_block_in_the_docs_matches_a_run_of_its_scenario() {
     let update = std::env::var_os("PGBUS_UPDATE_SAMPLES").is_some();
     let mut failures = Vec::new();
-    for file in doc_files() {
-        let text = std::fs::read_to_string(&file).unwrap();
+    let docs: Vec<(PathBuf, String)> = doc_files()
+        .into_iter()
+        .map(|file| {
+            let text = std::fs::read_to_string(&file).unwrap();
+            (file, text)
+        })
+        .collect();
+    // Every scenario runs once, all at once (each has its own database).
+    let mut names = std::collections::BTreeSet::new();
+    for (_, text) in &docs {
+        let lines: Vec<&str> = text.lines().collect();
+        for block in blocks(&lines) {
+            if let Some(Sample::Scenario(name)) = block.sample {
+                names.insert(name);
+            }
+        }
+    }
+    let runs = futures::future::join_all(names.iter().map(|name| capture(name))).await;
+    let captured: std::collections::BTreeMap<&String, String> = names.iter().zip(runs).collect();
+    for (file, text) in &docs {
+        let shown_file = file.strip_prefix(root()).unwrap_or(file).display();
         let lines: Vec<&str> = text.lines().collect();
         let mut rewritten: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
         for block in blocks(&lines).into_iter().rev() {
-            let Some(scenario) = block.scenario else {
-                failures.push(format!(
-                    "{}:{}: a console block with no `{MARKER}NAME -->` marker",
-                    file.strip_prefix(root()).unwrap_or(&file).display(),
-                    block.body_start
-                ));
-                continue;
+            let scenario = match block.sample {
+                None => {
+                    failures.push(format!(
+                        "{shown_file}:{}: a console block with no `{MARKER}NAME -->` marker",
+                        block.body_start
+                    ));
+                    continue;
+                }
+                Some(Sample::Exempt) => continue,
+                Some(Sample::Scenario(name)) => name,
             };
-            let captured = capture(&scenario).await;
+            let captured = &captured[&scenario];
             let shown = lines[block.body_start..block.body_end].join("\n") + "\n";
             if update {
                 rewritten.splice(
                     block.body_start..block.body_end,
                     captured.lines().map(str::to_string),
                 );
-            } else if normalise(&captured) != normalise(&shown) {
+            } else if normalise(captured) != normalise(&shown) {
                 failures.push(format!(
-                    "{}:{}: sample `{scenario}` no longer matches its run\n--- doc\n{}--- run\n{}",
-                    file.strip_prefix(root()).unwrap_or(&file).display(),
+                    "{shown_file}:{}: sample `{scenario}` no longer matches its run\n--- doc\n{}--- run\n{}",
                     block.body_start,
                     normalise(&shown),
-                    normalise(&captured)
+                    normalise(captured)
                 ));
             }
         }
         if update {
-            std::fs::write(&file, rewritten.join("\n") + "\n").unwrap();
+            std::fs::write(file, rewritten.join("\n") + "\n").unwrap();
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));

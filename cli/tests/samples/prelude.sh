@@ -13,16 +13,17 @@ run() {
 }
 
 # The transcript is a file, so a scenario can wait for what a background command has
-# printed: `await PATTERN` polls it (grep -E) until a line matches, and fails the
-# scenario after $SAMPLE_TIMEOUT seconds (20 by default).
+# printed: `await PATTERN [FILE]` polls it (or FILE, the output of a command kept out of
+# the transcript) with grep -E until a line matches, and fails the scenario after
+# $SAMPLE_TIMEOUT seconds (20 by default).
 exec >"$TRANSCRIPT" 2>&1
 # Job control: background commands get SIGINT as a terminal's Ctrl-C sends it.
 set -m
 await() {
     local deadline=$((SECONDS + ${SAMPLE_TIMEOUT:-20}))
-    until grep -Eq -- "$1" "$TRANSCRIPT"; do
+    until grep -Eq -- "$1" "${2:-$TRANSCRIPT}" 2>/dev/null; do
         if ((SECONDS >= deadline)); then
-            echo "sample: timed out waiting for /$1/" >&2
+            echo "sample: timed out waiting for /$1/ in ${2:-the transcript}" >&2
             exit 1
         fi
         sleep 0.05
@@ -34,5 +35,21 @@ await() {
 interrupt() {
     echo '^C'
     kill -INT "$1"
+    { wait "$1"; } 2>/dev/null
+}
+
+# `background LOG COMMAND...` starts a command kept out of the transcript, its output in
+# LOG, and sets $bg to its pid; `stop PID` ends it with SIGTERM and waits for it. Such a
+# command is no job of this shell, so no job notice reaches the transcript.
+background() {
+    local log=$1
+    shift
+    set +m
+    "$@" >"$log" 2>&1 &
+    bg=$!
+    set -m
+}
+stop() {
+    kill -TERM "$1"
     { wait "$1"; } 2>/dev/null
 }
