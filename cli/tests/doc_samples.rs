@@ -97,6 +97,9 @@ fn blocks(lines: &[&str]) -> Vec<Block> {
 fn normalise(text: &str) -> String {
     text.lines()
         .map(|line| {
+            if is_demo_figure(line) {
+                return numbers_hidden(line);
+            }
             // A gauge of age: how long the run took to get there.
             if let Some((labels, _age)) = line
                 .strip_prefix("pgbus_oldest_due_age_seconds")
@@ -112,6 +115,48 @@ fn normalise(text: &str) -> String {
         .collect::<Vec<_>>()
         .join("\n")
         + "\n"
+}
+
+/// A line of `pgbus demo`'s summary: its figures (counts, rates, latencies) are the
+/// run's, and the columns' widths follow them.
+fn is_demo_figure(line: &str) -> bool {
+    let text = line.trim_start();
+    line.starts_with("  ")
+        && [
+            "published ",
+            "delivered",
+            "demo-",
+            "retries ",
+            "dead letters ",
+            "commit -> handler ",
+        ]
+        .iter()
+        .any(|p| text.starts_with(p))
+}
+
+/// The line with each number as `<n>` and each run of spaces as one.
+fn numbers_hidden(line: &str) -> String {
+    let mut out = String::new();
+    let mut chars = line.trim_start().chars().peekable();
+    while let Some(c) = chars.next() {
+        if c.is_ascii_digit() {
+            while chars
+                .peek()
+                .is_some_and(|c| c.is_ascii_digit() || *c == '.')
+            {
+                chars.next();
+            }
+            out.push_str("<n>");
+        } else if c == ' ' {
+            while chars.peek() == Some(&' ') {
+                chars.next();
+            }
+            out.push(' ');
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn normalise_word(word: &str) -> String {
