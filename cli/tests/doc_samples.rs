@@ -107,8 +107,18 @@ fn normalise(text: &str) -> String {
             {
                 return format!("pgbus_oldest_due_age_seconds{labels} <seconds>");
             }
+            let mut previous = "";
             line.split(' ')
-                .map(normalise_word)
+                .map(|word| {
+                    // `nats-server -p PORT`: a port picked free at each run.
+                    let out = if previous == "-p" && word.chars().all(|c| c.is_ascii_digit()) {
+                        "<port>".to_string()
+                    } else {
+                        normalise_word(word)
+                    };
+                    previous = word;
+                    out
+                })
                 .collect::<Vec<_>>()
                 .join(" ")
         })
@@ -160,13 +170,15 @@ fn numbers_hidden(line: &str) -> String {
 }
 
 fn normalise_word(word: &str) -> String {
-    // JSON (one word, no spaces): each string's text apart.
-    if word.contains('"') {
-        return word
-            .split('"')
-            .map(normalise_word)
-            .collect::<Vec<_>>()
-            .join("\"");
+    // JSON (one word, no spaces): each string's text apart; `key=value`: the value.
+    for separator in ['"', '='] {
+        if word.contains(separator) {
+            return word
+                .split(separator)
+                .map(normalise_word)
+                .collect::<Vec<_>>()
+                .join(&separator.to_string());
+        }
     }
     let core = word.trim_matches(|c: char| "()[],;'\"".contains(c));
     let is_uuid = core.len() == 36
@@ -188,15 +200,18 @@ fn normalise_word(word: &str) -> String {
         "<time>"
     } else if core.starts_with("/tmp/") {
         "<path>"
-    } else if let Some(at) = core.find("127.0.0.1:") {
-        // A port picked free at each run: `127.0.0.1:PORT`, in an address or a URL.
-        let port = &core[at + "127.0.0.1:".len()..];
+    } else if let Some((host, at)) = ["127.0.0.1:", "0.0.0.0:"]
+        .iter()
+        .find_map(|host| core.find(host).map(|at| (host, at)))
+    {
+        // A port picked free at each run, in an address or a URL.
+        let port = &core[at + host.len()..];
         let digits = port.len() - port.trim_start_matches(|c: char| c.is_ascii_digit()).len();
         if digits == 0 {
             return word.to_string();
         }
         let number = &port[..digits];
-        return word.replacen(&format!("127.0.0.1:{number}"), "127.0.0.1:<port>", 1);
+        return word.replacen(&format!("{host}{number}"), &format!("{host}<port>"), 1);
     } else {
         return word.to_string();
     };
@@ -222,6 +237,7 @@ async fn capture(scenario: &str) -> String {
     );
     let name = scenario.to_string();
     let samples = samples.clone();
+    let examples = bin.join("examples");
     let transcript2 = transcript.clone();
     let status = tokio::task::spawn_blocking(move || {
         Command::new("bash")
@@ -232,6 +248,7 @@ async fn capture(scenario: &str) -> String {
             .env("DATABASE_URL", db.url())
             .env("TRANSCRIPT", &transcript2)
             .env("SAMPLES", &samples)
+            .env("PGBUS_EXAMPLES", &examples)
             .status()
             .unwrap()
     })

@@ -6,7 +6,7 @@ printf '{"job": 1}\n{"job": 2}\n{"job": 3}\n{"job": 4}\n' | pgbus publish job.qu
 pgbus publish job.queued '{"job": 5}' --delay 1h >/dev/null
 # The deliveries a running bus would have made.
 psql -q "$DATABASE_URL" -c 'SELECT pgbus.fan_out_committed()' >/dev/null
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 run <<CMD
 pgbus metrics --listen 127.0.0.1:$port &
 CMD

@@ -51,5 +51,20 @@ background() {
 }
 stop() {
     kill -TERM "$1"
-    { wait "$1"; } 2>/dev/null
+    { wait "$1"; } 2>/dev/null || true
+}
+
+# `free_port` prints a TCP port of the loopback address nobody listens on now.
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# `start_nats` starts a throwaway NATS server with JetStream (nats-server on PATH), its
+# store in ./nats-store, on a free port, and exports NATS_URL once it takes connections.
+start_nats() {
+    nats_port=$(free_port)
+    background nats.log nats-server -js -a 127.0.0.1 -p "$nats_port" -sd "$PWD/nats-store"
+    nats=$bg
+    await 'Server is ready' nats.log
+    export NATS_URL=nats://127.0.0.1:$nats_port
 }
