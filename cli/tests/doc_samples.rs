@@ -170,6 +170,9 @@ fn numbers_hidden(line: &str) -> String {
 }
 
 fn normalise_word(word: &str) -> String {
+    if word.starts_with("PGPORT=") {
+        return "PGPORT=<port>".to_string();
+    }
     // JSON (one word, no spaces): each string's text apart; `key=value`: the value.
     for separator in ['"', '='] {
         if word.contains(separator) {
@@ -220,6 +223,19 @@ fn normalise_word(word: &str) -> String {
 
 async fn capture(scenario: &str) -> String {
     let db = common::test_db().await;
+    // The TLS scenario reaches a TLS-only server too: TLS_PORT, TLS_USER, TLS_DATABASE,
+    // TLS_CA (its CA's certificate), its password in PGPASSWORD. Its certificate names `localhost` only.
+    let mut tls_env = Vec::new();
+    if scenario == "tls" {
+        let server = common::tls::TlsServer::shared().await;
+        tls_env = vec![
+            ("TLS_PORT", server.port().to_string()),
+            ("TLS_USER", server.user().to_string()),
+            ("TLS_DATABASE", server.database().to_string()),
+            ("PGPASSWORD", server.password().to_string()),
+            ("TLS_CA", server.ca_pem().display().to_string()),
+        ];
+    }
     let bin = Path::new(env!("CARGO_BIN_EXE_pgbus")).parent().unwrap();
     let samples = root().join("cli/tests/samples");
     let path = format!(
@@ -249,6 +265,7 @@ async fn capture(scenario: &str) -> String {
             .env("TRANSCRIPT", &transcript2)
             .env("SAMPLES", &samples)
             .env("PGBUS_EXAMPLES", &examples)
+            .envs(tls_env)
             .status()
             .unwrap()
     })
