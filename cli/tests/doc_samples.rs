@@ -122,6 +122,20 @@ fn normalise(text: &str) -> String {
                 .collect::<Vec<_>>()
                 .join(" ")
         })
+        // A table's columns are as wide as their values (a duration, a count): runs of
+        // spaces compare as one gap.
+        .map(|line| {
+            let mut gaps = String::new();
+            for (i, part) in line.split("  ").enumerate() {
+                if i == 0 || !part.is_empty() {
+                    if i > 0 {
+                        gaps.push_str("  ");
+                    }
+                    gaps.push_str(part.trim_start());
+                }
+            }
+            gaps
+        })
         .collect::<Vec<_>>()
         .join("\n")
         + "\n"
@@ -170,6 +184,18 @@ fn numbers_hidden(line: &str) -> String {
 }
 
 fn normalise_word(word: &str) -> String {
+    // A test database's name, `pgbus_t_` and 16 hex digits.
+    if let Some(at) = word.find("pgbus_t_") {
+        let rest = &word[at + "pgbus_t_".len()..];
+        let hex = rest.len()
+            - rest
+                .trim_start_matches(|c: char| c.is_ascii_hexdigit())
+                .len();
+        if hex == 16 {
+            let named = format!("{}pgbus_t_<id>{}", &word[..at], &rest[hex..]);
+            return normalise_word(&named);
+        }
+    }
     if word.starts_with("PGPORT=") {
         return "PGPORT=<port>".to_string();
     }
@@ -225,15 +251,28 @@ async fn capture(scenario: &str) -> String {
     let db = common::test_db().await;
     // The TLS scenario reaches a TLS-only server too: TLS_PORT, TLS_USER, TLS_DATABASE,
     // TLS_CA (its CA's certificate), its password in PGPASSWORD. Its certificate names `localhost` only.
-    let mut tls_env = Vec::new();
+    let mut extra_env = Vec::new();
     if scenario == "tls" {
         let server = common::tls::TlsServer::shared().await;
-        tls_env = vec![
+        extra_env = vec![
             ("TLS_PORT", server.port().to_string()),
             ("TLS_USER", server.user().to_string()),
             ("TLS_DATABASE", server.database().to_string()),
             ("PGPASSWORD", server.password().to_string()),
             ("TLS_CA", server.ca_pem().display().to_string()),
+        ];
+    }
+    // The pooler scenario reaches its database through the shared PgBouncer too:
+    // POOLER_USER@127.0.0.1:POOLER_PORT, database DB_NAME.
+    if scenario == "pooler" {
+        let pooler = common::pgbouncer::shared().await;
+        extra_env = vec![
+            ("POOLER_PORT", pooler.port().to_string()),
+            (
+                "POOLER_USER",
+                pooler.config().get_user().unwrap_or_default().to_string(),
+            ),
+            ("DB_NAME", db.name().to_string()),
         ];
     }
     let bin = Path::new(env!("CARGO_BIN_EXE_pgbus")).parent().unwrap();
@@ -265,7 +304,7 @@ async fn capture(scenario: &str) -> String {
             .env("TRANSCRIPT", &transcript2)
             .env("SAMPLES", &samples)
             .env("PGBUS_EXAMPLES", &examples)
-            .envs(tls_env)
+            .envs(extra_env)
             .status()
             .unwrap()
     })
