@@ -7,7 +7,10 @@
 //! `samples/prelude.sh`, whose `run` prints `$ command` and then the command's output.
 //! The transcript, normalised (ids, times, durations, paths and ports replaced by
 //! placeholders, on both sides), must equal the block's, also normalised; a block with no
-//! marker fails the test, so a new sample cannot escape capture.
+//! marker fails the test, so a new sample cannot escape capture. A block that cannot be
+//! captured says so and why, `<!-- sample: none, reason: WHY -->` (a reason is required).
+//! Scenarios run concurrently; the TLS and pooler scenarios also reach a TLS-only server
+//! and a PgBouncer of the test's own.
 //!
 //! `PGBUS_UPDATE_SAMPLES=1` (what `scripts/samples` sets) rewrites each block with its
 //! captured transcript instead of comparing.
@@ -233,14 +236,16 @@ fn normalise_word(word: &str) -> String {
         .iter()
         .find_map(|host| core.find(host).map(|at| (host, at)))
     {
-        // A port picked free at each run, in an address or a URL.
+        // A port picked free at each run, in an address or a URL (or a list of them).
         let port = &core[at + host.len()..];
         let digits = port.len() - port.trim_start_matches(|c: char| c.is_ascii_digit()).len();
         if digits == 0 {
             return word.to_string();
         }
         let number = &port[..digits];
-        return word.replacen(&format!("{host}{number}"), &format!("{host}<port>"), 1);
+        let (done, rest) = word.split_at(word.find(core).unwrap_or(0) + at + host.len() + digits);
+        let done = done.replacen(&format!("{host}{number}"), &format!("{host}<port>"), 1);
+        return done + &normalise_word(rest);
     } else {
         return word.to_string();
     };
