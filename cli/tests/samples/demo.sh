@@ -1,0 +1,3 @@
+run <<'CMD'
+pgbus demo --seconds 2
+CMD
