@@ -298,6 +298,16 @@ async fn capture(scenario: &str) -> String {
     let name = scenario.to_string();
     let samples = samples.clone();
     let examples = bin.join("examples");
+    // The NATS sample reads the stream with the `nats_tail` example, which cargo builds
+    // for `--all-targets` (as scripts/check and scripts/samples run), not for this test
+    // alone.
+    if scenario == "forward_nats" {
+        assert!(
+            examples.join("nats_tail").exists(),
+            "the forward_nats sample needs the nats_tail example built: run the test with \
+             --all-targets, or `cargo build -p pgbus-cli --examples` first"
+        );
+    }
     let transcript2 = transcript.clone();
     let status = tokio::task::spawn_blocking(move || {
         Command::new("bash")
@@ -316,6 +326,7 @@ async fn capture(scenario: &str) -> String {
     .await
     .unwrap();
     let text = std::fs::read_to_string(&transcript).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(transcript.parent().unwrap());
     assert!(
         status.success(),
         "scenario `{name}` failed ({status}):\n{text}"

@@ -17,6 +17,8 @@ run() {
 # the transcript) with grep -E until a line matches, and fails the scenario after
 # $SAMPLE_TIMEOUT seconds (20 by default).
 exec >"$TRANSCRIPT" 2>&1
+# Whatever a scenario started and did not stop (it failed part-way) ends with it.
+trap 'pkill -KILL -P $$ 2>/dev/null || true' EXIT
 # Job control: background commands get SIGINT as a terminal's Ctrl-C sends it.
 set -m
 await() {
