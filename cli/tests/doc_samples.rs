@@ -297,15 +297,15 @@ async fn capture(scenario: &str) -> String {
     );
     let name = scenario.to_string();
     let samples = samples.clone();
-    let examples = bin.join("examples");
-    // The NATS sample reads the stream with the `nats_tail` example, which cargo builds
-    // for `--all-targets` (as scripts/check and scripts/samples run), not for this test
-    // alone.
+    // The NATS sample reads the stream with the `nats_tail` example. Only `cargo build`
+    // links it as `examples/nats_tail`; `cargo test --all-targets` builds examples as test
+    // harnesses. scripts/check and scripts/samples build it first.
+    let nats_tail = bin.join("examples/nats_tail");
     if scenario == "forward_nats" {
         assert!(
-            examples.join("nats_tail").exists(),
-            "the forward_nats sample needs the nats_tail example built: run the test with \
-             --all-targets, or `cargo build -p pgbus-cli --examples` first"
+            nats_tail.is_file(),
+            "the forward_nats sample needs the nats_tail example: run \
+             `cargo build -p pgbus-cli --examples` first"
         );
     }
     let transcript2 = transcript.clone();
@@ -318,7 +318,7 @@ async fn capture(scenario: &str) -> String {
             .env("DATABASE_URL", db.url())
             .env("TRANSCRIPT", &transcript2)
             .env("SAMPLES", &samples)
-            .env("PGBUS_EXAMPLES", &examples)
+            .env("PGBUS_NATS_TAIL", &nats_tail)
             .envs(extra_env)
             .status()
             .unwrap()

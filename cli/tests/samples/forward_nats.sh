@@ -3,7 +3,7 @@ pgbus migrate >/dev/null
 cargo() {
     while [ "$1" != -- ]; do shift; done
     shift
-    "$PGBUS_EXAMPLES/nats_tail" "$@"
+    "$PGBUS_NATS_TAIL" "$@"
 }
 port=$(free_port)
 run <<CMD
