@@ -88,6 +88,14 @@ impl Forwarder {
             .unwrap();
     }
 
+    /// Waits until it exits by itself, and gives the exit code.
+    async fn exit_code(mut self) -> i32 {
+        let status = common::within("forward to exit", WAIT, self.child.wait())
+            .await
+            .unwrap();
+        status.code().unwrap_or(-1)
+    }
+
     /// SIGTERM, and the exit code.
     async fn terminate(mut self) -> i32 {
         signal(self.child.id().unwrap(), "TERM").await;
@@ -263,9 +271,14 @@ async fn a_rolled_back_publish_never_reaches_nats_and_a_committed_one_arrives_wi
         .header(
             "traceparent",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-        );
+        )
+        .header("tenant id", "t-7");
     pgbus::publish(&client, &kept).await.unwrap();
     wait_forwarded(&client, "out").await;
+    // A header name NATS cannot carry is named, not dropped silently.
+    forwarder
+        .wait_said("NATS headers cannot carry [\"tenant id\"]")
+        .await;
     assert_eq!(forwarder.terminate().await, 0);
 
     let stored = read_all(&js, STREAM).await;
@@ -278,7 +291,10 @@ async fn a_rolled_back_publish_never_reaches_nats_and_a_committed_one_arrives_wi
     assert_eq!(header("Pgbus-Name").as_deref(), Some("shop.order.placed"));
     assert_eq!(header("Pgbus-Aggregate-Type").as_deref(), Some("order"));
     assert_eq!(header("Pgbus-Aggregate-Id").as_deref(), Some("42"));
+    assert_eq!(header("Pgbus-Ordering-Key").as_deref(), Some("order:42"));
     assert_eq!(header("Pgbus-Correlation-Id").as_deref(), Some("req-1"));
+    let all: Value = serde_json::from_str(&header("Pgbus-Headers").unwrap()).unwrap();
+    assert_eq!(all["tenant id"], "t-7", "every header is in Pgbus-Headers");
     assert_eq!(
         header("traceparent").as_deref(),
         Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
@@ -381,6 +397,74 @@ async fn a_user_and_password_in_the_nats_url_authenticate_the_forwarder() {
     let stored = read_all(&jetstream::new(reader), STREAM).await;
     assert_eq!(stored.len(), 1);
     assert_eq!(stored[0].id, event.id);
+}
+
+#[tokio::test]
+async fn a_wrong_nats_password_ends_the_forwarder_with_exit_1_and_the_reason_unshown() {
+    let db = common::test_db().await;
+    let nats = NatsServer::start_with(&["--user", "relay", "--pass", "s3cret"])
+        .await
+        .unwrap();
+    for url in [
+        format!("nats://relay:wr0ngpass@127.0.0.1:{}", nats.port()),
+        format!("nats://n0body:s3cret@127.0.0.1:{}", nats.port()),
+    ] {
+        let mut cmd = pgbus_on(&db);
+        cmd.env("NATS_URL", &url);
+        let out = run(cmd, &["forward", "-s", "refused", "-p", "*"]).await;
+        assert_eq!(out.code, 1, "{out:?}");
+        assert!(
+            out.stderr
+                .contains("NATS refuses the forwarder's credentials")
+                && out.stderr.contains("authorization violation"),
+            "{out:?}"
+        );
+        assert!(!out.stderr.contains("wr0ngpass"), "{out:?}");
+    }
+    let client = db.connect().await;
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.subscriptions WHERE name = 'refused'"
+        )
+        .await,
+        0,
+        "nothing was consumed"
+    );
+}
+
+#[tokio::test]
+async fn credentials_revoked_while_forwarding_end_the_forwarder_with_exit_1() {
+    let db = common::test_db().await;
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("nats.conf");
+    let authorize = |password: &str| {
+        std::fs::write(
+            &conf,
+            format!("authorization {{ user: relay, password: {password} }}\n"),
+        )
+        .unwrap();
+    };
+    authorize("s3cret");
+    let mut nats = NatsServer::start_with(&["-c", conf.to_str().unwrap()])
+        .await
+        .unwrap();
+    let url = format!("nats://relay:s3cret@127.0.0.1:{}", nats.port());
+    let forwarder = Forwarder::start_with_env(&db, &url, &["-s", "revoked", "-p", "*"]).await;
+    let client = db.connect().await;
+    pgbus::publish(&client, &Event::new("before.revoke", json!({})))
+        .await
+        .unwrap();
+    wait_forwarded(&client, "revoked").await;
+    // The server comes back with another password: the forwarder's no longer works.
+    authorize("changed");
+    nats.restart().await.unwrap();
+    forwarder
+        .wait_said("error: NATS refuses the forwarder's credentials (authorization violation)")
+        .await;
+    let stderr = forwarder.stderr.lock().unwrap().join("\n");
+    assert!(!stderr.contains("s3cret"), "{stderr}");
+    assert_eq!(forwarder.exit_code().await, 1);
 }
 
 #[tokio::test]

@@ -150,6 +150,10 @@ struct Stamped {
 }
 
 impl Sink for Stamped {
+    fn refused(&self) -> BoxFuture<'static, String> {
+        self.inner.refused()
+    }
+
     fn publish<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<Stored, SinkError>> {
         Box::pin(async move {
             let stored = self.inner.publish(event).await?;

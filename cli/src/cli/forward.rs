@@ -38,6 +38,11 @@ pub(crate) trait Sink: Send + Sync + 'static {
     /// Publishes `event`; resolves once the broker has stored it, or dropped it as a
     /// duplicate of one it has.
     fn publish<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<Stored, SinkError>>;
+
+    /// Resolves, with the broker's reason, once the broker refuses the forwarder itself
+    /// (a wrong or revoked credential): no event can go through until an operator
+    /// mends the configuration, so the command stops with exit 1.
+    fn refused(&self) -> BoxFuture<'static, String>;
 }
 
 /// What the broker did with a published event.
@@ -72,8 +77,10 @@ Examples:
 Each event goes to subject <prefix>.<event name> with the payload (JSON) as the body,
 Nats-Msg-Id = the event id, and the envelope as headers (Pgbus-Id, Pgbus-Name,
 Pgbus-Version, Pgbus-Source, Pgbus-Aggregate-Type, Pgbus-Aggregate-Id,
+Pgbus-Ordering-Key (the ordering key, else type:id of the aggregate),
 Pgbus-Correlation-Id, Pgbus-Causation-Id, Pgbus-Occurred-At, Pgbus-Seq, Pgbus-Headers:
-the event's headers as JSON; each string header such as traceparent also as itself).
+the event's headers as JSON; each string header such as traceparent also as itself,
+unless NATS cannot carry it, which a warning names).
 The delivery is acknowledged in PostgreSQL only after JetStream's PubAck. Unordered
 subscriptions have up to --concurrency publishes in flight; ordered ones one per key.
 
@@ -85,6 +92,8 @@ publishes. A stream that does not fit stops the forwarder at start with exit 2.
 NATS unreachable or restarting: each event is tried again with a backoff (up to 5s)
 while its delivery stays leased; nothing is lost, and a re-sent event is dropped by
 JetStream's duplicate window (Nats-Msg-Id).
+
+Credentials NATS refuses (at start or later) stop the forwarder with exit 1.
 
 Exit codes: 0 stopped by a signal; 1 a failure; 2 bad usage or a stream that does not fit.")]
 pub(crate) struct ForwardArgs {
@@ -264,6 +273,9 @@ pub(crate) async fn run(args: ForwardArgs, url: Option<&str>) -> Result<(), Fail
         running.worker_id()
     );
     let counts = Arc::new(Counts::default());
+    let refused = sink.refused();
+    tokio::pin!(refused);
+    let mut refusal = None;
     let work = forward(
         subscription,
         Arc::new(sink),
@@ -275,6 +287,10 @@ pub(crate) async fn run(args: ForwardArgs, url: Option<&str>) -> Result<(), Fail
     let work_done = tokio::select! {
         () = &mut work => true,
         () = stop.cancelled() => false,
+        reason = &mut refused => {
+            refusal = Some(reason);
+            false
+        }
     };
     eprintln!("pgbus: stopping: finishing publishes in flight");
     stop.cancel();
@@ -293,5 +309,8 @@ pub(crate) async fn run(args: ForwardArgs, url: Option<&str>) -> Result<(), Fail
         counts.retried.load(Ordering::Relaxed),
         counts.rejected.load(Ordering::Relaxed),
     );
-    Ok(())
+    match refusal {
+        Some(reason) => Err(super::failed(super::jetstream::refused_text(&reason))),
+        None => Ok(()),
+    }
 }

@@ -116,25 +116,40 @@ fn covers(pattern: &str, subject: &str) -> bool {
     }
 }
 
-/// The envelope as NATS headers; see `pgbus forward --help`.
-fn headers(event: &Event) -> HeaderMap {
+/// The envelope as NATS headers (see `pgbus forward --help`), and the names of the headers
+/// NATS cannot carry: a name with white space, a colon, a control or non-ASCII
+/// character, or a value with a line break. The event's own headers are all in
+/// `Pgbus-Headers` in any case.
+fn headers(event: &Event) -> (HeaderMap, Vec<String>) {
     let mut map = HeaderMap::new();
-    let mut put = |name: &str, value: &str| {
-        if let (Ok(name), Ok(value)) = (name.parse::<HeaderName>(), value.parse::<HeaderValue>()) {
-            map.insert(name, value);
-        }
+    let mut skipped = Vec::new();
+    let mut put = |name: &str, value: &str| match (
+        name.parse::<HeaderName>(),
+        value.parse::<HeaderValue>(),
+    ) {
+        (Ok(name), Ok(value)) => map.insert(name, value),
+        _ => skipped.push(name.to_string()),
     };
     put("Nats-Msg-Id", &event.id);
     put("Pgbus-Id", &event.id);
     put("Pgbus-Name", &event.name);
     put("Pgbus-Version", &event.version.to_string());
+    // The key an ordered subscription orders the event by: its ordering key, else its
+    // aggregate (`type:id`), as the schema's `pgbus.event_key` has it.
+    let key = event.ordering_key.clone().or_else(|| {
+        Some(format!(
+            "{}:{}",
+            event.aggregate_type.as_deref()?,
+            event.aggregate_id.as_deref()?
+        ))
+    });
     let optional = [
         ("Pgbus-Source", &event.source),
         ("Pgbus-Aggregate-Type", &event.aggregate_type),
         ("Pgbus-Aggregate-Id", &event.aggregate_id),
         ("Pgbus-Correlation-Id", &event.correlation_id),
         ("Pgbus-Causation-Id", &event.causation_id),
-        ("Pgbus-Ordering-Key", &event.ordering_key),
+        ("Pgbus-Ordering-Key", &key),
     ];
     for (name, value) in optional {
         if let Some(value) = value {
@@ -164,13 +179,50 @@ fn headers(event: &Event) -> HeaderMap {
             }
         }
     }
-    map
+    (map, skipped)
+}
+
+/// Why NATS refuses this client itself, if `event` says it does: a wrong or revoked
+/// credential, which no retry mends. The client reports a refused connection attempt as
+/// a client error with the connect error's text, and a refusal on a live connection as
+/// a server error.
+fn refusal(event: &async_nats::Event) -> Option<String> {
+    use async_nats::{ClientError, ConnectErrorKind, Event, ServerError};
+    match event {
+        Event::ServerError(ServerError::AuthorizationViolation) => {
+            Some(ConnectErrorKind::AuthorizationViolation.to_string())
+        }
+        Event::ClientError(ClientError::Other(text))
+            if *text == ConnectErrorKind::AuthorizationViolation.to_string()
+                || *text == ConnectErrorKind::Authentication.to_string() =>
+        {
+            Some(text.clone())
+        }
+        _ => None,
+    }
+}
+
+/// Resolves with the reason once `refused` holds one.
+async fn refused_with(mut refused: tokio::sync::watch::Receiver<Option<String>>) -> String {
+    let reason = match refused.wait_for(Option::is_some).await {
+        Ok(reason) => reason.clone(),
+        // The client is gone (it keeps the sender): nothing will be refused any more.
+        Err(_) => None,
+    };
+    match reason {
+        Some(reason) => reason,
+        None => std::future::pending().await,
+    }
 }
 
 /// The JetStream sink.
 pub(crate) struct JetStream {
     context: jetstream::Context,
     prefix: String,
+    /// Set by the client's event callback when NATS refuses the credentials.
+    refused: tokio::sync::watch::Receiver<Option<String>>,
+    /// The header names already warned of as ones NATS cannot carry (each once).
+    uncarried: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl std::fmt::Debug for JetStream {
@@ -183,14 +235,21 @@ impl std::fmt::Debug for JetStream {
 
 impl JetStream {
     /// Connects (retrying until NATS answers: the client reconnects by itself after),
-    /// then creates or verifies `stream`.
+    /// then creates or verifies `stream`. Credentials NATS refuses end it with exit 1.
     pub(crate) async fn connect(
         args: &NatsArgs,
         stream: &str,
         prefix: &str,
         lease: Duration,
     ) -> Result<JetStream, Failure> {
+        let (refuse, refused) = tokio::sync::watch::channel(None::<String>);
         let mut options = async_nats::ConnectOptions::new()
+            .event_callback(move |event| {
+                if let Some(reason) = refusal(&event) {
+                    refuse.send_replace(Some(reason));
+                }
+                std::future::ready(())
+            })
             .retry_on_initial_connect()
             .max_reconnects(None)
             .require_tls(args.nats_tls)
@@ -248,12 +307,25 @@ impl JetStream {
         })?;
         let mut context = jetstream::new(client);
         context.set_timeout(args.publish_timeout);
-        ensure_stream(&context, stream, prefix, lease).await?;
+        tokio::select! {
+            checked = ensure_stream(&context, stream, prefix, lease) => checked?,
+            reason = refused_with(refused.clone()) => return Err(failed(refused_text(&reason))),
+        }
         Ok(JetStream {
             context,
             prefix: prefix.to_string(),
+            refused,
+            uncarried: Default::default(),
         })
     }
+}
+
+/// The error that ends the command when NATS refuses the credentials.
+pub(crate) fn refused_text(reason: &str) -> String {
+    format!(
+        "error: NATS refuses the forwarder's credentials ({reason}): check the user and \
+         password or token of --nats-url, --nats-creds or --nats-nkey"
+    )
 }
 
 /// The configuration of a stream the forwarder creates.
@@ -354,15 +426,42 @@ async fn ensure_stream(
     }
 }
 
+impl JetStream {
+    /// Warns of header names NATS cannot carry, each name once for the process.
+    fn warn_uncarried(&self, event: &Event, names: Vec<String>) {
+        let mut warned = self.uncarried.lock().unwrap_or_else(|p| p.into_inner());
+        let new: Vec<String> = names
+            .into_iter()
+            .filter(|name| warned.len() < 1024 && warned.insert(name.clone()))
+            .collect();
+        if !new.is_empty() {
+            eprintln!(
+                "pgbus: NATS headers cannot carry {new:?} of event {} (a name with white space, \
+                 a colon or a non-ASCII character, or a value with a line break): left out of the \
+                 NATS headers (the event's headers are all in Pgbus-Headers); told once per name",
+                event.id
+            );
+        }
+    }
+}
+
 impl Sink for JetStream {
+    fn refused(&self) -> BoxFuture<'static, String> {
+        Box::pin(refused_with(self.refused.clone()))
+    }
+
     fn publish<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<Stored, SinkError>> {
         Box::pin(async move {
             let subject = subject(&self.prefix, &event.name).map_err(SinkError::Rejected)?;
             let payload = serde_json::to_vec(&event.payload)
                 .map_err(|e| SinkError::Rejected(format!("payload: {e}")))?;
+            let (headers, skipped) = headers(event);
+            if !skipped.is_empty() {
+                self.warn_uncarried(event, skipped);
+            }
             let message = PublishMessage::build()
                 .payload(payload.into())
-                .headers(headers(event));
+                .headers(headers);
             let classify = |kind: PublishErrorKind, text: String| match kind {
                 PublishErrorKind::MaxPayloadExceeded => SinkError::Rejected(text),
                 _ => SinkError::Unavailable(text),
@@ -395,6 +494,37 @@ mod tests {
         assert!(!covers("other.>", "pgbus.>"));
         assert!(!covers("pgbus", "pgbus.>"));
         assert!(covers("a.*.>", "a.b.>"));
+    }
+
+    #[test]
+    fn headers_carry_the_key_of_an_aggregate_and_name_what_nats_cannot_carry() {
+        let event = Event::new("order.placed", serde_json::json!({}))
+            .aggregate("order", "42")
+            .header("traceparent", "00-ab-cd-01")
+            .header("bad name", "x")
+            .header("a:b", "y")
+            .header("na\u{ef}ve", "z")
+            .header("multi", "one\ntwo");
+        let (map, mut skipped) = headers(&event);
+        let get = |name: &str| map.get(name).map(|v| v.to_string());
+        assert_eq!(get("Pgbus-Ordering-Key").as_deref(), Some("order:42"));
+        assert_eq!(get("traceparent").as_deref(), Some("00-ab-cd-01"));
+        skipped.sort();
+        assert_eq!(skipped, ["a:b", "bad name", "multi", "na\u{ef}ve"]);
+        let all: serde_json::Value = serde_json::from_str(&get("Pgbus-Headers").unwrap()).unwrap();
+        assert_eq!(all["multi"], "one\ntwo", "every header is in Pgbus-Headers");
+
+        let keyed = Event::new("x", serde_json::json!({}))
+            .aggregate("order", "42")
+            .ordering_key("tenant-7");
+        let (map, skipped) = headers(&keyed);
+        assert_eq!(
+            map.get("Pgbus-Ordering-Key").unwrap().to_string(),
+            "tenant-7"
+        );
+        assert!(skipped.is_empty());
+        let (map, _) = headers(&Event::new("x", serde_json::json!({})));
+        assert!(map.get("Pgbus-Ordering-Key").is_none());
     }
 
     #[test]
