@@ -467,6 +467,133 @@ async fn credentials_revoked_while_forwarding_end_the_forwarder_with_exit_1() {
     assert_eq!(forwarder.exit_code().await, 1);
 }
 
+/// The `Nats-Msg-Id`s of the forwarder's stream, in stream order.
+async fn stream_ids(js: &jetstream::Context) -> Vec<String> {
+    read_all(js, STREAM)
+        .await
+        .into_iter()
+        .map(|m| m.id)
+        .collect()
+}
+
+/// Waits until every delivery of `subscription` but its dead letters is forwarded.
+async fn wait_forwarded_but_dead(client: &tokio_postgres::Client, subscription: &str) {
+    common::wait_count(
+        client,
+        &format!("every live delivery of {subscription} forwarded"),
+        &format!(
+            "SELECT (SELECT count(*) FROM pgbus.deliveries \
+                     WHERE subscription = '{subscription}' AND status <> 'dead') \
+             + (SELECT events FROM pgbus.not_fanned_out(NULL))"
+        ),
+        0,
+    )
+    .await;
+}
+
+/// Waits until the delivery of the event `id` in `subscription` is a dead letter, and
+/// gives its last error.
+async fn dead_letter_of(client: &tokio_postgres::Client, subscription: &str, id: &str) -> String {
+    let sql = "SELECT d.last_error FROM pgbus.deliveries AS d \
+               JOIN pgbus.events AS e ON e.seq = d.event_seq \
+               WHERE d.subscription = $1 AND e.id = $2 AND d.status = 'dead'";
+    common::wait_for("the refused event to be a dead letter", WAIT, || async {
+        !client
+            .query(sql, &[&subscription, &id])
+            .await
+            .unwrap()
+            .is_empty()
+    })
+    .await;
+    client
+        .query_one(sql, &[&subscription, &id])
+        .await
+        .unwrap()
+        .get::<_, Option<String>>(0)
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn a_subject_the_nats_user_may_not_publish_to_dead_letters_its_event_with_the_reason() {
+    let db = common::test_db().await;
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(
+        &conf,
+        "authorization { users = [ { user: relay, password: s3cret, \
+         permissions: { publish: { deny: [\"pgbus.secret.>\"] } } } ] }\n",
+    )
+    .unwrap();
+    let nats = NatsServer::start_with(&["-c", conf.to_str().unwrap()])
+        .await
+        .unwrap();
+    let url = format!("nats://relay:s3cret@127.0.0.1:{}", nats.port());
+    let forwarder = Forwarder::start_with_env(
+        &db,
+        &url,
+        &["-s", "perm", "-p", "*", "--publish-timeout", "1s"],
+    )
+    .await;
+    let client = db.connect().await;
+    let secret = Event::new("secret.plans", json!({"x": 1}));
+    let open = Event::new("open.news", json!({"x": 2}));
+    pgbus::publish_batch(&client, &[secret.clone(), open.clone()])
+        .await
+        .unwrap();
+    let reason = dead_letter_of(&client, "perm", &secret.id).await;
+    assert!(
+        reason.contains("NATS denies publishing to \"pgbus.secret.plans\"")
+            && reason
+                .to_ascii_lowercase()
+                .contains("permissions violation"),
+        "{reason}"
+    );
+    wait_forwarded_but_dead(&client, "perm").await;
+    assert_eq!(forwarder.terminate().await, 0);
+    let reader =
+        async_nats::ConnectOptions::with_user_and_password("relay".into(), "s3cret".into())
+            .connect(nats.url())
+            .await
+            .unwrap();
+    assert_eq!(
+        stream_ids(&jetstream::new(reader)).await,
+        vec![open.id.clone()],
+        "only the permitted event is in the stream"
+    );
+}
+
+#[tokio::test]
+async fn an_event_larger_than_the_stream_takes_is_dead_lettered_with_the_brokers_reason() {
+    let db = common::test_db().await;
+    let nats = NatsServer::start().await.unwrap();
+    let js = jetstream_of(&nats).await;
+    js.create_stream(stream::Config {
+        name: STREAM.into(),
+        subjects: vec!["pgbus.>".into()],
+        max_message_size: 2_000,
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let forwarder = Forwarder::start(&db, &nats, &["-s", "big", "-p", "*"]).await;
+    let client = db.connect().await;
+    let big = Event::new("doc.big", json!({"text": "x".repeat(5_000)}));
+    let small = Event::new("doc.small", json!({"text": "x"}));
+    pgbus::publish_batch(&client, &[big.clone(), small.clone()])
+        .await
+        .unwrap();
+    let reason = dead_letter_of(&client, "big", &big.id).await;
+    assert!(reason.contains("maximum"), "{reason}");
+    wait_forwarded_but_dead(&client, "big").await;
+    assert_eq!(forwarder.terminate().await, 0);
+    assert_eq!(
+        stream_ids(&js).await,
+        vec![small.id.clone()],
+        "only the event the stream takes is in it"
+    );
+}
+
 #[tokio::test]
 async fn credentials_in_nats_url_on_the_command_line_are_refused_unshown() {
     let db = common::test_db().await;

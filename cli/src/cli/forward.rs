@@ -61,7 +61,8 @@ pub(crate) enum SinkError {
     /// same event is tried again after a pause.
     Unavailable(String),
     /// The broker will never take this event (e.g. its name is no valid subject, it is
-    /// too large): the delivery becomes a dead letter with this reason.
+    /// too large, the broker's user may not publish it): the delivery becomes a dead
+    /// letter with this reason.
     Rejected(String),
 }
 
@@ -93,6 +94,8 @@ NATS unreachable or restarting: each event is tried again with a backoff (up to 
 while its delivery stays leased; nothing is lost, and a re-sent event is dropped by
 JetStream's duplicate window (Nats-Msg-Id).
 
+An event NATS refuses (a subject the user may not publish to, larger than the stream's
+max_msg_size or the server's max_payload) becomes a dead letter with the broker's reason.
 Credentials NATS refuses (at start or later) stop the forwarder with exit 1.
 
 Exit codes: 0 stopped by a signal; 1 a failure; 2 bad usage or a stream that does not fit.")]

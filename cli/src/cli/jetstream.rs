@@ -202,6 +202,58 @@ fn refusal(event: &async_nats::Event) -> Option<String> {
     }
 }
 
+/// The subjects NATS refused a publish to for want of permission, with the server's
+/// words. NATS answers such a publish with an `-ERR` on the connection (reported to the
+/// client's event callback), not on the publish, which then waits for a PubAck that never
+/// comes; the publish's failure looks here to tell a refusal from an outage.
+#[derive(Debug, Clone, Default)]
+struct Denied(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>);
+
+impl Denied {
+    /// Records the subject of a server error `text` that denies a publish.
+    fn note(&self, text: &str) {
+        let Some(subject) = denied_subject(text) else {
+            return;
+        };
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= 1024 {
+            map.clear();
+        }
+        map.insert(subject, text.to_string());
+    }
+
+    /// Takes the server's words for `subject`, if a publish to it was denied.
+    fn take(&self, subject: &str) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(subject)
+    }
+}
+
+/// The subject of a NATS "Permissions Violation for Publish to "SUBJECT"" error.
+fn denied_subject(text: &str) -> Option<String> {
+    let lower = text.to_ascii_lowercase();
+    let at = lower.find("permissions violation for publish to ")?;
+    let rest = &text[at + "permissions violation for publish to ".len()..];
+    let rest = rest.trim_start_matches(['"', '\'']);
+    let end = rest.find(['"', '\'']).unwrap_or(rest.len());
+    Some(rest[..end].trim().to_string()).filter(|s| !s.is_empty())
+}
+
+/// Whether JetStream's answer to a publish is a refusal that no retry mends: the message
+/// is larger than the stream takes (`max_msg_size`).
+fn refused_by_stream(error: &async_nats::jetstream::context::PublishError) -> bool {
+    let mut source = std::error::Error::source(error);
+    while let Some(e) = source {
+        if let Some(js) = e.downcast_ref::<async_nats::jetstream::Error>() {
+            return js.error_code() == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM;
+        }
+        source = e.source();
+    }
+    false
+}
+
 /// Resolves with the reason once `refused` holds one.
 async fn refused_with(mut refused: tokio::sync::watch::Receiver<Option<String>>) -> String {
     let reason = match refused.wait_for(Option::is_some).await {
@@ -221,6 +273,8 @@ pub(crate) struct JetStream {
     prefix: String,
     /// Set by the client's event callback when NATS refuses the credentials.
     refused: tokio::sync::watch::Receiver<Option<String>>,
+    /// The subjects NATS denied this client a publish to, with the server's words.
+    denied: Denied,
     /// The header names already warned of as ones NATS cannot carry (each once).
     uncarried: std::sync::Mutex<std::collections::HashSet<String>>,
 }
@@ -243,12 +297,21 @@ impl JetStream {
         lease: Duration,
     ) -> Result<JetStream, Failure> {
         let (refuse, refused) = tokio::sync::watch::channel(None::<String>);
+        let denied = Denied::default();
         let mut options = async_nats::ConnectOptions::new()
-            .event_callback(move |event| {
-                if let Some(reason) = refusal(&event) {
-                    refuse.send_replace(Some(reason));
+            .event_callback({
+                let denied = denied.clone();
+                move |event| {
+                    if let Some(reason) = refusal(&event) {
+                        refuse.send_replace(Some(reason));
+                    }
+                    if let async_nats::Event::ServerError(async_nats::ServerError::Other(text)) =
+                        &event
+                    {
+                        denied.note(text);
+                    }
+                    std::future::ready(())
                 }
-                std::future::ready(())
             })
             .retry_on_initial_connect()
             .max_reconnects(None)
@@ -315,6 +378,7 @@ impl JetStream {
             context,
             prefix: prefix.to_string(),
             refused,
+            denied,
             uncarried: Default::default(),
         })
     }
@@ -462,16 +526,22 @@ impl Sink for JetStream {
             let message = PublishMessage::build()
                 .payload(payload.into())
                 .headers(headers);
-            let classify = |kind: PublishErrorKind, text: String| match kind {
-                PublishErrorKind::MaxPayloadExceeded => SinkError::Rejected(text),
-                _ => SinkError::Unavailable(text),
+            let classify = |e: async_nats::jetstream::context::PublishError| {
+                if let Some(words) = self.denied.take(&subject) {
+                    SinkError::Rejected(format!("NATS denies publishing to {subject:?}: {words}"))
+                } else if e.kind() == PublishErrorKind::MaxPayloadExceeded || refused_by_stream(&e)
+                {
+                    SinkError::Rejected(e.to_string())
+                } else {
+                    SinkError::Unavailable(e.to_string())
+                }
             };
             let ack = self
                 .context
-                .send_publish(subject, message)
+                .send_publish(subject.clone(), message)
                 .await
-                .map_err(|e| classify(e.kind(), e.to_string()))?;
-            let ack = ack.await.map_err(|e| classify(e.kind(), e.to_string()))?;
+                .map_err(classify)?;
+            let ack = ack.await.map_err(classify)?;
             Ok(if ack.duplicate {
                 Stored::Duplicate
             } else {
@@ -525,6 +595,24 @@ mod tests {
         assert!(skipped.is_empty());
         let (map, _) = headers(&Event::new("x", serde_json::json!({})));
         assert!(map.get("Pgbus-Ordering-Key").is_none());
+    }
+
+    #[test]
+    fn a_denied_publish_names_its_subject() {
+        assert_eq!(
+            denied_subject("Permissions Violation for Publish to \"pgbus.secret.plans\"")
+                .as_deref(),
+            Some("pgbus.secret.plans")
+        );
+        assert_eq!(
+            denied_subject("permissions violation for publish to pgbus.a").as_deref(),
+            Some("pgbus.a")
+        );
+        assert_eq!(
+            denied_subject("Permissions Violation for Subscription to \"x\""),
+            None
+        );
+        assert_eq!(denied_subject("maximum payload exceeded"), None);
     }
 
     #[test]
