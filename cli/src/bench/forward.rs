@@ -19,8 +19,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::latency::{Stamps, index_of, latencies};
 use super::{BenchArgs, Report, Runs, Server, seed_keyed_backlog, wait_until};
-use crate::cli::forward::{Counts, Sink, SinkError, Stored, forward};
+use crate::cli::forward::{Counts, forward};
 use crate::cli::jetstream::{JetStream, NatsArgs};
+use crate::cli::sink::{Sink, SinkError, Stored};
 
 /// The default backlog.
 const DEFAULT_BACKLOG: u64 = 20_000;

@@ -1,21 +1,22 @@
 //! `pgbus forward`: relay a subscription into a broker (NATS JetStream), each delivery
 //! acknowledged in PostgreSQL only once the broker has stored its event.
 //!
-//! The relay's core (this file) knows brokers only through [`Sink`]: publish one event,
-//! answered when the broker has it. The JetStream sink is in `jetstream.rs`; a second
-//! broker (Kafka, Redpanda) is another `Sink` and another set of connection options.
+//! The relay's core (this file) knows brokers only through [`Sink`] (`sink.rs`): publish
+//! one event, answered when the broker has it. The JetStream sink is in `jetstream.rs`;
+//! a second broker (Kafka, Redpanda) is another `Sink` and another set of connection
+//! options. The command picks the sink; the sinks know nothing of the command.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use futures::future::BoxFuture;
-use pgbus::{Bus, Delivery, Event, RetryPolicy, Subscription, SubscriptionOptions};
+use pgbus::{Bus, Delivery, RetryPolicy, Subscription, SubscriptionOptions};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::jetstream::{JetStream, NatsArgs};
+use super::sink::{Sink, SinkError, Stored};
 use super::{Failure, StopSignals, usage};
 
 /// The first pause after a broker failed to take an event; it doubles up to
@@ -27,44 +28,6 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// How often a broker outage is reported while it lasts.
 const WARN_EVERY: Duration = Duration::from_secs(10);
-
-/// Where forwarded events go. `publish` is answered when the broker has stored the event
-/// (JetStream: its PubAck); only then is the delivery acknowledged in PostgreSQL.
-///
-/// A sink must drop a re-sent event (same [`Event::id`]) that it already stored: a
-/// forwarder that stops between the broker's answer and the acknowledgement sends the
-/// event again.
-pub(crate) trait Sink: Send + Sync + 'static {
-    /// Publishes `event`; resolves once the broker has stored it, or dropped it as a
-    /// duplicate of one it has.
-    fn publish<'a>(&'a self, event: &'a Event) -> BoxFuture<'a, Result<Stored, SinkError>>;
-
-    /// Resolves, with the broker's reason, once the broker refuses the forwarder itself
-    /// (a wrong or revoked credential): no event can go through until an operator
-    /// mends the configuration, so the command stops with exit 1.
-    fn refused(&self) -> BoxFuture<'static, String>;
-}
-
-/// What the broker did with a published event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Stored {
-    /// Stored now.
-    New,
-    /// Already stored (a re-send after a crash or a lost answer): dropped.
-    Duplicate,
-}
-
-/// Why a sink did not take an event.
-#[derive(Debug)]
-pub(crate) enum SinkError {
-    /// The broker cannot take it now (unreachable, restarting, no answer in time): the
-    /// same event is tried again after a pause.
-    Unavailable(String),
-    /// The broker will never take this event (e.g. its name is no valid subject, it is
-    /// too large, the broker's user may not publish it): the delivery becomes a dead
-    /// letter with this reason.
-    Rejected(String),
-}
 
 /// Arguments of `pgbus forward`.
 #[derive(Debug, clap::Args)]

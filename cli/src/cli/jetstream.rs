@@ -14,7 +14,7 @@ use async_nats::jetstream::{self, message::PublishMessage};
 use futures::future::BoxFuture;
 use pgbus::Event;
 
-use super::forward::{Sink, SinkError, Stored};
+use super::sink::{Sink, SinkError, Stored};
 use super::{Failure, failed, human_duration, usage};
 
 /// The shortest duplicate window of a stream the forwarder creates.

@@ -14,6 +14,7 @@ pub(crate) mod keys;
 pub(crate) mod metrics;
 pub(crate) mod publish;
 pub(crate) mod secrets;
+pub(crate) mod sink;
 pub(crate) mod status;
 pub(crate) mod ui;
 
