@@ -52,9 +52,12 @@ fn claim(c: &mut Criterion) {
         seed_backlog(&client, &["bench-large".into()], "bench.large", large).await
     })
     .expect("seed");
+    let claim = rt
+        .block_on(pgbus_testkit::claim_statement(&client))
+        .expect("read the claim statement");
     let stmt = rt
-        .block_on(client.prepare_typed(pgbus_testkit::sql::CLAIM, &pgbus_testkit::sql::CLAIM_TYPES))
-        .expect("prepare CLAIM");
+        .block_on(client.prepare_typed(&claim, &pgbus_testkit::sql::CLAIM_TYPES))
+        .expect("prepare the claim statement");
 
     let mut group = c.benchmark_group("claim_100");
     group

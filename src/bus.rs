@@ -65,7 +65,7 @@ pub const DEFAULT_LEADER_LEASE: Duration = Duration::from_secs(60);
 pub const DEFAULT_IDLE_POLL_INTERVAL: Duration = Duration::from_secs(300);
 
 /// Default retention of the log: 7 days (see [`BusBuilder::retention`]).
-pub const DEFAULT_RETENTION: Duration = crate::admin::DEFAULT_RETENTION;
+pub const DEFAULT_RETENTION: Duration = crate::retention::DEFAULT_RETENTION;
 /// The bus's settings (see the setters of [`BusBuilder`] for each default).
 #[derive(Debug, Clone)]
 pub(crate) struct Options {
@@ -108,7 +108,7 @@ type HandlerSpec = (
 #[derive(Debug)]
 struct Registered {
     sub: Arc<Sub>,
-    asked: crate::admin::SubscriptionChange,
+    asked: crate::subscription::SubscriptionChange,
     target: Target,
 }
 
@@ -268,7 +268,7 @@ impl Bus {
         {
             let client = db.get().await?;
             for s in &self.subs {
-                crate::admin::join_subscription(
+                crate::subscription::join_subscription(
                     &client,
                     &s.sub.name,
                     &s.asked,
@@ -1052,14 +1052,14 @@ fn asked_settings(
     patterns: Vec<String>,
     options: &SubscriptionOptions,
     opts: &Options,
-) -> Result<crate::admin::SubscriptionChange> {
+) -> Result<crate::subscription::SubscriptionChange> {
     if patterns.is_empty() {
         crate::event::validate_name("subscription name", name)?;
     } else {
-        crate::admin::validate_subscription(name, &patterns)?;
+        crate::subscription::validate_subscription(name, &patterns)?;
     }
     let retry = options.retry.or(opts.retry_set.then_some(opts.retry));
-    Ok(crate::admin::SubscriptionChange {
+    Ok(crate::subscription::SubscriptionChange {
         patterns: (!patterns.is_empty()).then_some(patterns),
         max_attempts: retry.and_then(|r| r.attempts_if_set()),
         ordered: options.ordered,

@@ -49,7 +49,7 @@ const RECHECKS: [Duration; 3] = [
 /// The longest wait [`due_in`] returns: the claimer waits at most its poll interval anyway.
 const MAX_DUE: f64 = 86_400.0;
 /// How often a claim goes without floors (and at start): it finds a delivery that a writer
-/// slower than the floors' margin left below one (`sql::CLAIM`). Behind a long transaction
+/// slower than the floors' margin left below one (`sql::CLAIM_CALL`). Behind a long transaction
 /// it walks every index entry left since that began, once in this interval.
 const WHOLE_SCAN: Duration = Duration::from_secs(30);
 
@@ -130,7 +130,7 @@ struct State {
     /// Whether the pending claim was woken by the poll timer.
     by_poll: bool,
     round: Option<Round>,
-    /// Per subscription, where its next claim's scan starts (`sql::CLAIM`'s `$8`); none
+    /// Per subscription, where its next claim's scan starts (`sql::CLAIM_CALL`'s `$8`); none
     /// for a subscription not claimed yet.
     floors: HashMap<Arc<str>, DateTime<Utc>>,
     /// When the last claim without floors ran.

@@ -36,12 +36,10 @@ impl Session {
     /// statements never find an operator or function another role planted in a schema
     /// on the connecting role's path (`public`, `"$user"`).
     fn set(&self, scope: &str) -> String {
-        format!(
-            "SET {scope}statement_timeout = {}; SET {scope}synchronous_commit = {}; \
-             SET {scope}search_path = {}",
+        crate::sql::session_settings(
+            scope,
             self.statement_timeout.as_millis(),
-            if self.synchronous_commit { "on" } else { "off" },
-            crate::schema::PINNED_SEARCH_PATH,
+            self.synchronous_commit,
         )
     }
 }
@@ -158,7 +156,7 @@ impl Db {
         // Settling, reaping and repairs decide heads from the rows the key locks
         // protect, which only a fresh snapshot per statement shows: whatever the
         // database's default, the bus's own transactions are READ COMMITTED.
-        let isolation = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED";
+        let isolation = crate::sql::READ_COMMITTED;
         let failed = Arc::default();
         let opener = Opener {
             connect: connect.clone(),

@@ -77,7 +77,7 @@ pub(crate) fn placeholder(row: &Row, seq: i64) -> Event {
     event
 }
 
-/// The column `column` of a claimed row (by name: [`CLAIM`](crate::sql::CLAIM) returns
+/// The column `column` of a claimed row (by name: [`CLAIM_CALL`](crate::sql::CLAIM_CALL) returns
 /// the event's columns under their names in `pgbus.events`).
 fn get<'a, T: FromSql<'a>>(row: &'a Row, column: &'static str) -> Result<T, Undecodable> {
     row.try_get(column).map_err(|e| Undecodable {

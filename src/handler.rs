@@ -11,8 +11,8 @@ use serde::de::DeserializeOwned;
 use crate::context::Context;
 use crate::error::HandlerError;
 use crate::event::Event;
-use crate::ordering::DeadHeadPolicy;
 use crate::retry::RetryPolicy;
+use crate::subscription::DeadHeadPolicy;
 
 /// A subscription's handler: it names the subscription, says which events it wants, and
 /// handles each of them.

@@ -33,33 +33,17 @@
 // docs.rs (`--cfg docsrs`, nightly rustdoc) marks the items of a Cargo feature with it.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// The delivery path, in the order an event takes it: publish (the trigger and the
-// notification are in sql/), listen, claim, dispatch, settle; beside it, maintain. The
-// bus starts and stops them; the others are shared leaves.
-pub mod admin;
-mod backoff;
-mod bus;
-mod claim;
-mod conn;
-pub mod connect;
-mod context;
-mod decode;
-mod delivery;
-mod dispatch;
-mod error;
+// The modules in the order an event meets them (a comment between two steps keeps
+// rustfmt from sorting them into one list).
+
+// Publishing, inside the caller's transaction (the fan-out and the notification are in
+// sql/): the event, what it is published through, and the trace context it carries.
 mod event;
-mod handler;
-mod listen;
-mod maintain;
-pub mod metrics;
-pub mod ordering;
+// What statements run on: a client or a transaction.
+mod executor;
 mod publish;
-mod retry;
-pub mod schema;
-mod settle;
-mod shutdown;
-mod slot;
-mod sql;
+pub mod trace_context;
+// The same publishing through sqlx.
 #[cfg(feature = "sqlx")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlx")))]
 pub mod sqlx;
@@ -71,8 +55,45 @@ pub mod sqlx08;
 #[cfg(all(feature = "sqlx-0_8", not(feature = "sqlx")))]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlx-0_8")))]
 pub use sqlx08 as sqlx;
+
+// The runtime. The bus wires the rooms and is the only module that knows them all.
+mod bus;
+// A starting bus joins its subscriptions.
+mod subscription;
+// Listen: a notification wakes the claimer.
+mod listen;
+// Claim: deliveries into slots, their rows decoded.
+mod claim;
+mod decode;
+mod slot;
+// Dispatch: each delivery to its handler or stream, with its context.
+mod dispatch;
+mod handler;
+// The handler's view of a delivery.
+mod context;
+mod delivery;
+// Settle: acknowledgements and retries in batches.
+mod settle;
+// Beside the path: maintenance by the elected bus, and the retention sweep it runs.
+mod maintain;
+mod retention;
+// The runtime's shared leaves: connections, backoff, shutdown, counters.
+mod backoff;
+mod conn;
+mod shutdown;
 mod stats;
-pub mod trace_context;
+
+// Operating the bus: the operator API, the schema's migrations, the metrics.
+pub mod admin;
+pub use admin::ordering;
+pub mod metrics;
+pub mod schema;
+
+// Connecting (connection strings, the environment, TLS), and the shared leaves.
+pub mod connect;
+mod error;
+mod retry;
+mod sql;
 
 pub use bus::{
     Bus, BusBuilder, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_BYTES, DEFAULT_CONCURRENCY,
@@ -90,21 +111,22 @@ pub use event::{
     DEFAULT_MAX_PAYLOAD_BYTES, Event, MAX_DELAY, MAX_EVENT_BYTES, MAX_JSON_DEPTH, MAX_KEY_BYTES,
     MAX_NAME_BYTES, is_invisible, json_text_bytes, pattern_matches,
 };
+pub use executor::Executor;
 pub use handler::{Handler, SubscriptionOptions};
-pub use ordering::DeadHeadPolicy;
-pub use publish::{Executor, Published, Publisher, publish, publish_batch};
+pub use publish::{Published, Publisher, publish, publish_batch};
 pub use retry::{
     DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_BASE, DEFAULT_RETRY_CAP, DEFAULT_RETRY_FACTOR,
     MAX_RETRY_DELAY, RetryPolicy,
 };
 pub use schema::migrate;
 pub use stats::Stats;
+pub use subscription::DeadHeadPolicy;
 
 #[doc(hidden)]
 pub mod __private {
     //! Not part of the API (no semver promise): pgbus's own test kit and benchmarks reach the bus's statements here.
 
-    /// The bus's statements (`src/sql.rs`). A glob re-export: the private module itself
+    /// The bus's statements (`src/sql/`). A glob re-export: the private module itself
     /// cannot be re-exported.
     pub mod sql {
         pub use crate::sql::*;

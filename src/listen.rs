@@ -134,7 +134,7 @@ impl Listener {
             .await
             .map_err(|e| e.to_string())?;
         {
-            let listen = client.batch_execute("LISTEN pgbus");
+            let listen = client.batch_execute(crate::sql::LISTEN);
             tokio::pin!(listen);
             loop {
                 tokio::select! {

@@ -572,12 +572,12 @@ impl Maintainer {
         let Some(retention) = self.schedule.retention else {
             return later;
         };
-        let batch = crate::admin::DEFAULT_SWEEP_BATCH;
+        let batch = crate::retention::DEFAULT_SWEEP_BATCH;
         let swept = async {
             let client = self.client().await?;
             let work = self.db().with_settings(
                 &client,
-                crate::admin::sweep_batch(&**client, retention, batch),
+                crate::retention::sweep_batch(&**client, retention, batch),
             );
             self.db()
                 .unless_stopped(&client, self.shutdown.token(), work)

@@ -182,7 +182,7 @@ pub fn describe() {
 }
 
 /// What holds the database's xmin horizon back, one row of the horizon statement
-/// (`src/sql.rs`, `XMIN_HORIZON`). While a transaction holds it, VACUUM cannot remove
+/// (`src/sql/`, `XMIN_HORIZON`). While a transaction holds it, VACUUM cannot remove
 /// the rows deleted or updated since (settled deliveries among them): the indexes the
 /// claims and settlements walk fill with dead entries and both slow down, tenfold and
 /// more after minutes. Sampled with the gauges by a running bus (which warns past
@@ -265,7 +265,7 @@ impl FanOutBacklog {
 }
 
 /// One subscription's backlog, as the gauges report it: one row of the gauge statement
-/// (`src/sql.rs`, `BACKLOG`).
+/// (`src/sql/`, `BACKLOG`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Backlog {

@@ -22,65 +22,9 @@ use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::event::{DEFAULT_MAX_PAYLOAD_BYTES, Encoded, Event};
+use crate::executor::Executor;
 use crate::sql::{PUBLISH_BATCH, PUBLISH_EVENT, PUBLISH_TYPES};
 use crate::trace_context::{Outgoing, TRACEPARENT, TRACESTATE};
-
-/// A connection or transaction that pgbus can publish through.
-///
-/// Implemented for `tokio_postgres::Client` and `Transaction`, and for
-/// `deadpool_postgres`'s `Object` (a pooled client), `ClientWrapper` and `Transaction`.
-/// Sealed: it cannot be implemented outside pgbus.
-pub trait Executor: private::Sealed + Sync {
-    /// The tokio-postgres client or transaction underneath.
-    type Client: GenericClient + Sync;
-
-    /// Returns the tokio-postgres client or transaction underneath.
-    fn client(&self) -> &Self::Client;
-}
-
-mod private {
-    pub trait Sealed {}
-}
-
-impl private::Sealed for tokio_postgres::Client {}
-impl Executor for tokio_postgres::Client {
-    type Client = Self;
-    fn client(&self) -> &Self {
-        self
-    }
-}
-
-impl private::Sealed for tokio_postgres::Transaction<'_> {}
-impl<'a> Executor for tokio_postgres::Transaction<'a> {
-    type Client = Self;
-    fn client(&self) -> &Self {
-        self
-    }
-}
-
-impl private::Sealed for deadpool_postgres::ClientWrapper {}
-impl Executor for deadpool_postgres::ClientWrapper {
-    type Client = tokio_postgres::Client;
-    fn client(&self) -> &tokio_postgres::Client {
-        self
-    }
-}
-
-impl private::Sealed for deadpool_postgres::Object {}
-impl Executor for deadpool_postgres::Object {
-    type Client = tokio_postgres::Client;
-    fn client(&self) -> &tokio_postgres::Client {
-        self
-    }
-}
-
-impl private::Sealed for deadpool_postgres::Transaction<'_> {}
-impl<'a> Executor for deadpool_postgres::Transaction<'a> {
-    type Client = tokio_postgres::Transaction<'a>;
-    fn client(&self) -> &tokio_postgres::Transaction<'a> {
-        self
-    }
-}
 
 /// What [`publish`] did with an event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -13,10 +13,10 @@ use crate::delivery::Delivery;
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::publish::{Published, Publisher, batch_published, batch_span, publish_span, published};
-use crate::schema::{
-    CURRENT_ROLE, Migration, RECORD, RECORDED, SERVER, Session, SessionTx, UNSAFE_OBJECTS,
+use crate::schema::{Migration, Session, SessionTx};
+use crate::sql::{
+    ACK_IN, CURRENT_ROLE, PUBLISH_BATCH, PUBLISH_EVENT, RECORD, RECORDED, SERVER, UNSAFE_OBJECTS,
 };
-use crate::sql::{ACK_IN, PUBLISH_BATCH, PUBLISH_EVENT};
 
 /// Binds the 14 parameters of a [`Row`](crate::publish::Row) or a
 /// [`Columns`](crate::publish::Columns), in the order of the publish statements.

@@ -37,8 +37,9 @@ async fn big_events(client: &Client, n: i32) {
 
 /// Runs the claim statement by hand with a budget; returns (rows claimed, cut).
 async fn claim(client: &Client, budget: i64) -> (usize, bool) {
+    let claim = pgbus_testkit::claim_statement(client).await.unwrap();
     let stmt = client
-        .prepare_typed(pgbus_testkit::sql::CLAIM, &pgbus_testkit::sql::CLAIM_TYPES)
+        .prepare_typed(&claim, &pgbus_testkit::sql::CLAIM_TYPES)
         .await
         .unwrap();
     let rows = client
@@ -181,9 +182,10 @@ async fn the_budget_reads_sizes_by_primary_key_and_the_claim_keeps_its_index() {
         .batch_execute("ANALYZE pgbus.deliveries; ANALYZE pgbus.events;")
         .await
         .unwrap();
+    let claim = pgbus_testkit::claim_statement(&client).await.unwrap();
     let stmt = client
         .prepare_typed(
-            &format!("EXPLAIN (FORMAT JSON) {}", pgbus_testkit::sql::CLAIM),
+            &format!("EXPLAIN (FORMAT JSON) {claim}"),
             &pgbus_testkit::sql::CLAIM_TYPES,
         )
         .await

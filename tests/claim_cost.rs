@@ -43,15 +43,13 @@ struct Buffers {
 /// `EXPLAIN (ANALYZE, BUFFERS)` in a transaction that is rolled back, and returns the
 /// shared buffers its execution touched.
 async fn claim_buffers(client: &mut tokio_postgres::Client, sub: &str) -> Buffers {
+    let claim = pgbus_testkit::claim_statement(&*client).await.unwrap();
     let tx = client.transaction().await.unwrap();
     let names = vec![sub];
     let quotas = vec![CLAIM_BATCH as i32];
     let rows = tx
         .query(
-            &format!(
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
-                pgbus_testkit::sql::CLAIM
-            ),
+            &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {claim}"),
             &[
                 &names,
                 &quotas,
@@ -239,9 +237,10 @@ async fn claim_from(
     client: &impl tokio_postgres::GenericClient,
     floors: &Floors,
 ) -> Vec<tokio_postgres::Row> {
+    let claim = pgbus_testkit::claim_statement(client).await.unwrap();
     client
         .query(
-            pgbus_testkit::sql::CLAIM,
+            &claim,
             &[
                 &vec!["s"],
                 &vec![CLAIM_BATCH as i32],

@@ -467,12 +467,17 @@ async fn pgbus_sql(admin: &Client) -> String {
         .await
         .unwrap()
         .get(0);
-    format!(
-        "{bodies} {} {} {}",
-        include_str!("../src/sql.rs"),
-        include_str!("../src/schema.rs"),
-        include_str!("../src/admin.rs")
-    )
+    // Every statement the library sends is in src/sql/ (tests/sql_home.rs keeps it so).
+    [
+        include_str!("../src/sql/publish.rs"),
+        include_str!("../src/sql/runtime.rs"),
+        include_str!("../src/sql/connect.rs"),
+        include_str!("../src/sql/migrate.rs"),
+        include_str!("../src/sql/admin.rs"),
+        include_str!("../src/sql/dashboard.rs"),
+    ]
+    .iter()
+    .fold(bodies, |corpus, file| corpus + " " + file)
 }
 
 /// Plants, in each of `schemas`, look-alikes that record that they ran (a sequence,

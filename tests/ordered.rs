@@ -748,15 +748,13 @@ async fn turning_ordering_off_frees_every_waiting_delivery() {
 /// choice of deliveries, the plan as text). Hits and reads both count, so the cache state
 /// does not matter.
 async fn ordered_claim_buffers(client: &mut tokio_postgres::Client) -> (i64, i64, String) {
+    let claim = pgbus_testkit::claim_statement(&*client).await.unwrap();
     let tx = client.transaction().await.unwrap();
     let names = vec!["o"];
     let quotas = vec![100_i32];
     let rows = tx
         .query(
-            &format!(
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
-                pgbus_testkit::sql::CLAIM
-            ),
+            &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {claim}"),
             &[
                 &names,
                 &quotas,

@@ -183,3 +183,64 @@ async fn migrate_accepts_the_test_server() {
         assert_eq!(version / 10_000, major, "server_version_num {version}");
     }
 }
+
+/// `sql/schema.sql` is the fully migrated schema as the catalogs describe it, so that a
+/// review of a migration shows what it changed and "what does `pgbus.fan_out` do now" has
+/// one answer in the tree. A migration that changes the schema rewrites it in the same
+/// commit: `scripts/schema-sql`.
+#[tokio::test]
+async fn sql_schema_sql_is_the_migrated_schema() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let rendered = common::schema_sql(&client).await.unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("sql/schema.sql");
+    if std::env::var_os("PGBUS_WRITE_SCHEMA_SQL").is_some() {
+        std::fs::write(&path, &rendered).unwrap();
+        return;
+    }
+    let stored = std::fs::read_to_string(&path).unwrap_or_default();
+    if let Some((n, (want, got))) = stored
+        .lines()
+        .chain(std::iter::repeat(""))
+        .zip(rendered.lines().chain(std::iter::repeat("")))
+        .take(stored.lines().count().max(rendered.lines().count()))
+        .enumerate()
+        .find(|(_, (a, b))| a != b)
+    {
+        panic!(
+            "sql/schema.sql is not the migrated schema (run scripts/schema-sql); line {}:\n  \
+             stored:   {want}\n  migrated: {got}",
+            n + 1
+        );
+    }
+}
+
+/// The rendering sees what a migration would change: an index, a column default and a
+/// function's body each change the text.
+#[tokio::test]
+async fn the_schema_text_changes_with_the_schema() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let before = common::schema_sql(&client).await.unwrap();
+    assert!(
+        before.contains("CREATE OR REPLACE FUNCTION pgbus.fan_out_committed()"),
+        "no fan_out_committed in:\n{before}"
+    );
+    client
+        .batch_execute(
+            "CREATE INDEX schema_text_probe ON pgbus.events (source); \
+             ALTER TABLE pgbus.events ALTER COLUMN source SET DEFAULT 'probe'; \
+             CREATE FUNCTION pgbus.schema_text_probe() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+        )
+        .await
+        .unwrap();
+    let after = common::schema_sql(&client).await.unwrap();
+    for needle in [
+        "CREATE INDEX schema_text_probe ON pgbus.events USING btree (source)",
+        "source text DEFAULT 'probe'::text",
+        "CREATE OR REPLACE FUNCTION pgbus.schema_text_probe()",
+    ] {
+        assert!(!before.contains(needle), "{needle} was there before");
+        assert!(after.contains(needle), "{needle} missing from:\n{after}");
+    }
+}

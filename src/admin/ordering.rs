@@ -19,12 +19,11 @@
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::{ToSql, Type};
 
-use crate::admin::needs_grant;
 use crate::error::{Grant, Result};
-use crate::publish::Executor;
+use crate::executor::{Executor, needs_grant};
 use crate::sql;
 
-pub use crate::admin::DeadHeadPolicy;
+pub use crate::subscription::DeadHeadPolicy;
 
 /// Makes a registered subscription ordered or unordered, with its dead-head policy
 /// (a shorthand for [`admin::configure_subscription`](crate::admin::configure_subscription),
@@ -41,10 +40,10 @@ pub async fn set_ordering<C: Executor + ?Sized>(
     ordered: bool,
     on_dead: DeadHeadPolicy,
 ) -> Result<()> {
-    let change = crate::admin::SubscriptionChange::new()
+    let change = crate::subscription::SubscriptionChange::new()
         .ordered(ordered)
         .on_dead(on_dead);
-    crate::admin::configure_subscription(client, subscription, &change).await?;
+    crate::subscription::configure_subscription(client, subscription, &change).await?;
     Ok(())
 }
 

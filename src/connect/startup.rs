@@ -900,10 +900,7 @@ async fn check_session(
     want: SessionAttrs,
 ) -> std::result::Result<(), BoxError> {
     let rows = {
-        let query = client.simple_query(
-            "SELECT pg_catalog.pg_is_in_recovery(), \
-             pg_catalog.current_setting('transaction_read_only')",
-        );
+        let query = client.simple_query(crate::sql::SESSION_ATTRS);
         tokio::pin!(query);
         loop {
             tokio::select! {

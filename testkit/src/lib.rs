@@ -86,6 +86,7 @@ pub mod pgbouncer;
 #[cfg(all(unix, feature = "fixtures"))]
 mod process;
 mod published;
+mod schema_dump;
 #[cfg(all(unix, feature = "fixtures"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "fixtures")))]
 pub mod tls;
@@ -101,6 +102,7 @@ pub use published::{
     PublishedEvent, assert_not_published, assert_nothing_published, assert_published,
     assert_published_exactly, published,
 };
+pub use schema_dump::{claim_statement, schema_sql};
 pub use wait::{
     WAIT, WORK_LEFT, count, count_after_fan_out, fan_out, wait_count, wait_for, wait_settled,
     within,
@@ -108,7 +110,7 @@ pub use wait::{
 pub use work::{WORK_WAIT, Worked, work_one, work_one_with};
 
 /// pgbus's statements, for tests and benchmarks that run or explain them directly
-/// (`pgbus_testkit::sql::CLAIM`). Not part of pgbus's API: no semver promise.
+/// (`pgbus_testkit::sql::CLAIM_CALL`). Not part of pgbus's API: no semver promise.
 #[doc(hidden)]
 pub use pgbus::__private::sql;
 

@@ -1,0 +1,217 @@
+//! The fully migrated `pgbus` schema as one readable SQL text, read from the catalogs.
+//!
+//! `sql/schema.sql` in the repository is this text for a database at the newest
+//! migration. A review of a migration then shows what it really changed: the current
+//! definition of every table, index, trigger and function, where the migrations only
+//! show each step. The text is rendered here from the catalogs (`pg_get_functiondef`,
+//! `pg_get_indexdef`, `pg_get_constraintdef`, ...) instead of by `pg_dump`, so that it is
+//! the same on every PostgreSQL version pgbus supports and carries no dump settings.
+//! Roles are written as `owner` (the schema's owner) and `PUBLIC`; privileges granted
+//! to other roles are named as they are.
+
+use std::fmt::Write as _;
+
+use tokio_postgres::{Client, Error, GenericClient};
+
+/// The migrated `pgbus` schema as SQL text: tables, sequences, indexes, triggers,
+/// functions and privileges, each kind sorted by name.
+///
+/// # Errors
+///
+/// When a catalog query fails.
+pub async fn schema_sql(client: &Client) -> Result<String, Error> {
+    let mut out = String::from(
+        "-- The pgbus schema at its newest migration, rendered from the catalogs.\n\
+         -- Regenerate with scripts/schema-sql; tests/schema.rs checks it matches.\n",
+    );
+    tables(client, &mut out).await?;
+    let sections: [(&str, &str); 4] = [
+        ("Sequences", SEQUENCES),
+        ("Indexes", INDEXES),
+        ("Triggers", TRIGGERS),
+        ("Functions", FUNCTIONS),
+    ];
+    for (title, query) in sections {
+        let _ = write!(out, "\n-- {title}\n");
+        for row in client.query(query, &[]).await? {
+            let text: String = row.get(0);
+            let _ = write!(out, "\n{};\n", text.trim_end().trim_end_matches(';'));
+        }
+    }
+    out.push_str(
+        "\n-- Privileges (object: grantee=privileges; none listed: the owner's alone)\n\n",
+    );
+    for row in client.query(PRIVILEGES, &[]).await? {
+        let line: String = row.get(0);
+        let _ = writeln!(out, "-- {line}");
+    }
+    Ok(out)
+}
+
+/// The statement `pgbus.claim_due` runs (the query of its `RETURN QUERY`, with `$1` to
+/// `$8`, whose types are `pgbus_testkit::sql::CLAIM_TYPES`): for tests and benchmarks
+/// that prepare or explain the claim directly. The migrated database is its one home.
+///
+/// # Errors
+///
+/// When the function cannot be read (the database is not migrated).
+///
+/// # Panics
+///
+/// When the function's body holds no `RETURN QUERY` statement.
+pub async fn claim_statement(client: &impl GenericClient) -> Result<String, Error> {
+    let row = client
+        .query_one(
+            "SELECT prosrc FROM pg_proc WHERE oid = \
+             'pgbus.claim_due(text[], int4[], int4, int8, text, int4, int8, timestamptz[])'\
+             ::regprocedure",
+            &[],
+        )
+        .await?;
+    let body: String = row.get(0);
+    let start = body
+        .find("RETURN QUERY")
+        .unwrap_or_else(|| panic!("pgbus.claim_due returns no query:\n{body}"))
+        + "RETURN QUERY".len();
+    let end = body
+        .rfind("END")
+        .filter(|&e| e > start)
+        .unwrap_or(body.len());
+    Ok(body[start..end]
+        .trim()
+        .trim_end_matches(';')
+        .trim_end()
+        .to_string())
+}
+
+async fn tables(client: &Client, out: &mut String) -> Result<(), Error> {
+    out.push_str("\n-- Tables\n");
+    for table in client.query(TABLES, &[]).await? {
+        let oid: u32 = table.get("oid");
+        let name: String = table.get("name");
+        let unlogged: bool = table.get("unlogged");
+        let options: Option<String> = table.get("options");
+        let mut lines = Vec::new();
+        for column in client.query(COLUMNS, &[&oid]).await? {
+            lines.push(format!("    {}", column.get::<_, String>(0)));
+        }
+        for constraint in client.query(CONSTRAINTS, &[&oid]).await? {
+            lines.push(format!("    {}", constraint.get::<_, String>(0)));
+        }
+        let _ = write!(
+            out,
+            "\nCREATE {}TABLE {name} (\n{}\n){};\n",
+            if unlogged { "UNLOGGED " } else { "" },
+            lines.join(",\n"),
+            options.map(|o| format!(" WITH ({o})")).unwrap_or_default(),
+        );
+    }
+    Ok(())
+}
+
+const TABLES: &str = "\
+SELECT c.oid, c.oid::regclass::text AS name, c.relpersistence = 'u' AS unlogged,
+       array_to_string(c.reloptions, ', ') AS options
+FROM pg_class c
+WHERE c.relnamespace = 'pgbus'::regnamespace AND c.relkind IN ('r', 'p')
+ORDER BY c.relname";
+
+const COLUMNS: &str = "\
+SELECT quote_ident(a.attname) || ' ' || format_type(a.atttypid, a.atttypmod)
+       || CASE WHEN a.attcollation <> t.typcollation
+               THEN ' COLLATE ' || a.attcollation::regcollation::text ELSE '' END
+       || CASE a.attidentity WHEN 'a' THEN ' GENERATED ALWAYS AS IDENTITY'
+                             WHEN 'd' THEN ' GENERATED BY DEFAULT AS IDENTITY' ELSE '' END
+       || CASE WHEN a.attgenerated = 's'
+               THEN ' GENERATED ALWAYS AS (' || pg_get_expr(d.adbin, d.adrelid) || ') STORED'
+               WHEN d.adbin IS NOT NULL
+               THEN ' DEFAULT ' || pg_get_expr(d.adbin, d.adrelid) ELSE '' END
+       || CASE WHEN a.attnotnull THEN ' NOT NULL' ELSE '' END
+FROM pg_attribute a
+JOIN pg_type t ON t.oid = a.atttypid
+LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum";
+
+// NOT NULL is written with its column: PostgreSQL 18 also lists it among the
+// constraints (contype 'n'), earlier versions do not.
+const CONSTRAINTS: &str = "\
+SELECT 'CONSTRAINT ' || quote_ident(conname) || ' ' || pg_get_constraintdef(oid)
+FROM pg_constraint
+WHERE conrelid = $1 AND contype IN ('p', 'u', 'f', 'c', 'x')
+ORDER BY CASE contype WHEN 'p' THEN 0 WHEN 'u' THEN 1 WHEN 'x' THEN 2 WHEN 'f' THEN 3 ELSE 4 END,
+         conname";
+
+// Sequences of identity columns are part of their column.
+const SEQUENCES: &str = "\
+SELECT 'CREATE SEQUENCE ' || c.oid::regclass::text
+       || ' AS ' || format_type(s.seqtypid, NULL)
+       || CASE WHEN s.seqincrement <> 1 THEN ' INCREMENT BY ' || s.seqincrement ELSE '' END
+       || CASE WHEN s.seqcycle THEN ' CYCLE' ELSE '' END
+       || coalesce(' OWNED BY ' || o.owner, '')
+FROM pg_class c
+JOIN pg_sequence s ON s.seqrelid = c.oid
+LEFT JOIN LATERAL (
+    SELECT d.refobjid::regclass::text || '.' || quote_ident(a.attname) AS owner, d.deptype
+    FROM pg_depend d
+    JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid
+    WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype IN ('a', 'i')
+) o ON true
+WHERE c.relnamespace = 'pgbus'::regnamespace AND c.relkind = 'S'
+  AND o.deptype IS DISTINCT FROM 'i'
+ORDER BY c.relname";
+
+// Indexes that back a constraint are written with it.
+const INDEXES: &str = "\
+SELECT pg_get_indexdef(i.indexrelid)
+FROM pg_index i
+JOIN pg_class c ON c.oid = i.indexrelid
+WHERE c.relnamespace = 'pgbus'::regnamespace
+  AND NOT EXISTS (
+      SELECT 1 FROM pg_constraint k
+      WHERE k.conindid = i.indexrelid AND k.conrelid = i.indrelid AND k.contype IN ('p', 'u', 'x'))
+ORDER BY c.relname";
+
+const TRIGGERS: &str = "\
+SELECT pg_get_triggerdef(t.oid)
+FROM pg_trigger t
+JOIN pg_class c ON c.oid = t.tgrelid
+WHERE c.relnamespace = 'pgbus'::regnamespace AND NOT t.tgisinternal
+ORDER BY c.relname, t.tgname";
+
+const FUNCTIONS: &str = "\
+SELECT pg_get_functiondef(p.oid)
+FROM pg_proc p
+WHERE p.pronamespace = 'pgbus'::regnamespace AND p.prokind IN ('f', 'p')
+ORDER BY p.proname, pg_get_function_identity_arguments(p.oid)";
+
+// Every object's access list, the owner written as `owner`; a NULL list is the default
+// (for a function: PUBLIC may execute it). MAINTAIN, which PostgreSQL 17 added to a
+// table's privileges, is left out so that the text is the same on every version.
+const PRIVILEGES: &str = "\
+WITH objects AS (
+    SELECT 'schema pgbus' AS object, n.nspacl AS acl, n.nspowner AS owner, 'n' AS kind
+    FROM pg_namespace n WHERE n.nspname = 'pgbus'
+    UNION ALL
+    SELECT CASE c.relkind WHEN 'S' THEN 'sequence ' ELSE 'table ' END || c.oid::regclass::text,
+           c.relacl, c.relowner, c.relkind::text
+    FROM pg_class c
+    WHERE c.relnamespace = 'pgbus'::regnamespace AND c.relkind IN ('r', 'p', 'S', 'v')
+    UNION ALL
+    SELECT 'function ' || p.oid::regprocedure::text, p.proacl, p.proowner, 'f'
+    FROM pg_proc p WHERE p.pronamespace = 'pgbus'::regnamespace
+)
+SELECT o.object || ': ' || coalesce(
+    (SELECT string_agg(g.grantee || '=' || g.privileges, ' ' ORDER BY g.grantee)
+     FROM (
+         SELECT CASE WHEN e.grantee = 0 THEN 'PUBLIC'
+                     WHEN e.grantee = o.owner THEN 'owner'
+                     ELSE e.grantee::regrole::text END AS grantee,
+                string_agg(e.privilege_type, ',' ORDER BY e.privilege_type) AS privileges
+         FROM aclexplode(o.acl) e
+         WHERE e.privilege_type <> 'MAINTAIN'
+         GROUP BY 1
+     ) g),
+    CASE WHEN o.kind = 'f' THEN 'default (PUBLIC=EXECUTE owner=EXECUTE)' ELSE 'default' END)
+FROM objects o
+ORDER BY o.object";
