@@ -1,5 +1,6 @@
 //! The `pgbus` command line.
 
+#[cfg(feature = "bench")]
 mod bench;
 mod cli;
 
@@ -59,24 +60,26 @@ enum Command {
     Status(cli::status::StatusArgs),
     /// List, retry or purge dead letters.
     #[command(subcommand)]
-    Dead(cli::admin::DeadCommand),
+    Dead(cli::dead::DeadCommand),
     /// List the keys of ordered subscriptions blocked by a dead head; redrive or skip it.
     #[command(subcommand)]
     Keys(cli::keys::KeysCommand),
     /// Deliver events still in the log to a subscription again.
-    Replay(cli::admin::ReplayArgs),
+    Replay(cli::replay::ReplayArgs),
     /// List or drop subscriptions.
     #[command(subcommand)]
-    Subscriptions(cli::admin::SubscriptionsCommand),
+    Subscriptions(cli::subscriptions::SubscriptionsCommand),
     /// Delete events past the retention that no delivery needs.
-    Sweep(cli::admin::SweepArgs),
+    Sweep(cli::sweep::SweepArgs),
     /// Serve every subscription's backlog gauges at /metrics (Prometheus text format).
     Metrics(cli::metrics::MetricsArgs),
     /// Serve a web dashboard: backlogs, dead letters, blocked keys, events, consumers.
     Ui(cli::ui::UiArgs),
     /// Run producers and handlers on a throwaway PostgreSQL, with a live view.
+    #[cfg(feature = "demo")]
     Demo(cli::demo::DemoArgs),
     /// Run a benchmark workload and print its figures.
+    #[cfg(feature = "bench")]
     Bench(bench::BenchArgs),
 }
 
@@ -84,12 +87,15 @@ enum Command {
 /// it (rather than taken from `DATABASE_URL`).
 #[derive(Debug, Clone, Copy)]
 struct Given {
+    #[cfg_attr(not(any(feature = "demo", feature = "bench")), allow(dead_code))]
     database_url_on_command_line: bool,
 }
 
+#[cfg_attr(not(any(feature = "demo", feature = "bench")), allow(unused_variables))]
 async fn run(cli: Cli, given: Given) -> Result<(), Failure> {
     // The demo and the benchmarks never use a database by accident (every sqlx project
     // exports DATABASE_URL): only one named on their command line.
+    #[cfg(any(feature = "demo", feature = "bench"))]
     let explicit = cli
         .database_url
         .as_deref()
@@ -115,14 +121,16 @@ async fn run(cli: Cli, given: Given) -> Result<(), Failure> {
         Command::Consume(args) => cli::consume::run(args, url).await,
         Command::Forward(args) => cli::forward::run(args, url).await,
         Command::Status(args) => cli::status::run(args, url).await,
-        Command::Dead(command) => cli::admin::dead(command, url).await,
+        Command::Dead(command) => cli::dead::dead(command, url).await,
         Command::Keys(command) => cli::keys::keys(command, url).await,
-        Command::Replay(args) => cli::admin::replay(args, url).await,
-        Command::Subscriptions(command) => cli::admin::subscriptions(command, url).await,
-        Command::Sweep(args) => cli::admin::sweep(args, url).await,
+        Command::Replay(args) => cli::replay::replay(args, url).await,
+        Command::Subscriptions(command) => cli::subscriptions::subscriptions(command, url).await,
+        Command::Sweep(args) => cli::sweep::sweep(args, url).await,
         Command::Metrics(args) => cli::metrics::run(args, url).await,
         Command::Ui(args) => cli::ui::run(args, url).await,
+        #[cfg(feature = "demo")]
         Command::Demo(args) => cli::demo::run(args, explicit).await,
+        #[cfg(feature = "bench")]
         Command::Bench(args) => {
             if let Some(addr) = args.metrics_addr {
                 cli::metrics::serve(addr)?;
@@ -176,6 +184,7 @@ fn main() -> ExitCode {
     }
     // The demo's dead letters are on purpose: their warnings would break its live view.
     let default_filter = match cli.command {
+        #[cfg(feature = "demo")]
         Command::Demo(_) => "error",
         _ => "warn",
     };

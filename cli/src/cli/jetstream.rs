@@ -55,6 +55,7 @@ pub(crate) struct NatsArgs {
 
 impl NatsArgs {
     /// The defaults, with the one server `url`.
+    #[cfg(feature = "bench")]
     pub(crate) fn url(url: String) -> NatsArgs {
         NatsArgs {
             urls: vec![url],

@@ -4,8 +4,9 @@
 #[macro_use]
 pub(crate) mod output;
 
-pub(crate) mod admin;
 pub(crate) mod consume;
+pub(crate) mod dead;
+#[cfg(feature = "demo")]
 pub(crate) mod demo;
 pub(crate) mod forward;
 mod group;
@@ -13,9 +14,12 @@ pub(crate) mod jetstream;
 pub(crate) mod keys;
 pub(crate) mod metrics;
 pub(crate) mod publish;
+pub(crate) mod replay;
 pub(crate) mod secrets;
 pub(crate) mod sink;
 pub(crate) mod status;
+pub(crate) mod subscriptions;
+pub(crate) mod sweep;
 pub(crate) mod ui;
 
 use std::time::Duration;

@@ -114,3 +114,28 @@ impl LineWriter {
             .unwrap_or_else(|_| Err(std::io::Error::other("the output thread has stopped")))
     }
 }
+
+/// The text on one line (line breaks and tabs as spaces), cut at `max` characters; the
+/// table escapes what else a terminal would interpret.
+pub(crate) fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| {
+            if matches!(c, '\n' | '\r' | '\t') {
+                ' '
+            } else {
+                c
+            }
+        })
+        .collect();
+    if flat.chars().count() > max {
+        format!("{}...", flat.chars().take(max).collect::<String>())
+    } else {
+        flat
+    }
+}
+
+/// `"s"` unless `n` is 1.
+pub(crate) fn plural(n: u64) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
