@@ -751,6 +751,8 @@ BEGIN
 END
 $function$;
 
+-- No pinned search_path: it runs on its caller's, so every name in it must be
+-- schema-qualified (sql/0012_pinned_paths.sql; tests/hostile_neighbour.rs keeps the list).
 CREATE OR REPLACE FUNCTION pgbus.event_key(ordering_key text, aggregate_type text, aggregate_id text)
  RETURNS text
  LANGUAGE sql
@@ -1194,6 +1196,8 @@ BEGIN
 END
 $function$;
 
+-- No pinned search_path: it runs on its caller's, so every name in it must be
+-- schema-qualified (sql/0012_pinned_paths.sql; tests/hostile_neighbour.rs keeps the list).
 CREATE OR REPLACE FUNCTION pgbus.name_keys(name text, OUT prefix text, OUT exact boolean)
  RETURNS SETOF record
  LANGUAGE sql
@@ -1208,6 +1212,8 @@ AS $function$
          pg_catalog.generate_series(1, pg_catalog.cardinality(parts) OPERATOR(pg_catalog.-) 1) AS i
 $function$;
 
+-- No pinned search_path: it runs on its caller's, so every name in it must be
+-- schema-qualified (sql/0012_pinned_paths.sql; tests/hostile_neighbour.rs keeps the list).
 CREATE OR REPLACE FUNCTION pgbus.next_of_key(p_subscription text, p_key text)
  RETURNS bigint
  LANGUAGE sql
@@ -1361,6 +1367,8 @@ AS $function$
            NOT (pattern = '*' OR right(pattern, 2) = '.*')
 $function$;
 
+-- No pinned search_path: it runs on its caller's, so every name in it must be
+-- schema-qualified (sql/0012_pinned_paths.sql; tests/hostile_neighbour.rs keeps the list).
 CREATE OR REPLACE FUNCTION pgbus.pattern_matches(pattern text, event_name text)
  RETURNS boolean
  LANGUAGE sql
@@ -1824,6 +1832,8 @@ BEGIN
 END
 $function$;
 
+-- No pinned search_path: it runs on its caller's, so every name in it must be
+-- schema-qualified (sql/0012_pinned_paths.sql; tests/hostile_neighbour.rs keeps the list).
 CREATE OR REPLACE FUNCTION pgbus.require_read_committed(what text)
  RETURNS void
  LANGUAGE plpgsql
@@ -2081,6 +2091,8 @@ AS $function$
     SELECT pgbus.running_too(pg_current_snapshot(), pg_current_xact_id_if_assigned())
 $function$;
 
+-- No pinned search_path: it runs on its caller's, so every name in it must be
+-- schema-qualified (sql/0012_pinned_paths.sql; tests/hostile_neighbour.rs keeps the list).
 CREATE OR REPLACE FUNCTION pgbus.subscriptions_matching(event_name text)
  RETURNS TABLE(subscription text, ordered boolean)
  LANGUAGE sql
@@ -2277,6 +2289,8 @@ BEGIN
 END
 $function$;
 
+-- No pinned search_path: it runs on its caller's, so every name in it must be
+-- schema-qualified (sql/0012_pinned_paths.sql; tests/hostile_neighbour.rs keeps the list).
 CREATE OR REPLACE FUNCTION pgbus.uuid_v7()
  RETURNS uuid
  LANGUAGE sql

@@ -239,6 +239,9 @@ async fn the_schema_text_changes_with_the_schema() {
         "CREATE INDEX schema_text_probe ON pgbus.events USING btree (source)",
         "source text DEFAULT 'probe'::text",
         "CREATE OR REPLACE FUNCTION pgbus.schema_text_probe()",
+        "-- No pinned search_path: it runs on its caller's, so every name in it must be\n\
+         -- schema-qualified (sql/0012_pinned_paths.sql; tests/hostile_neighbour.rs keeps the list).\n\
+         CREATE OR REPLACE FUNCTION pgbus.schema_text_probe()",
     ] {
         assert!(!before.contains(needle), "{needle} was there before");
         assert!(after.contains(needle), "{needle} missing from:\n{after}");

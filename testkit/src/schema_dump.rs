@@ -179,8 +179,17 @@ JOIN pg_class c ON c.oid = t.tgrelid
 WHERE c.relnamespace = 'pgbus'::regnamespace AND NOT t.tgisinternal
 ORDER BY c.relname, t.tgname";
 
+// A function that does not pin its search_path resolves every unqualified name through
+// its caller's: the text says so above it, so that a reader sees which ones must name
+// everything schema-qualified (migration 12's closed list, which
+// tests/hostile_neighbour.rs enforces).
 const FUNCTIONS: &str = "\
-SELECT pg_get_functiondef(p.oid)
+SELECT CASE WHEN NOT EXISTS (SELECT FROM unnest(p.proconfig) AS c WHERE c LIKE 'search_path=%')
+            THEN '-- No pinned search_path: it runs on its caller''s, so every name in it must be
+-- schema-qualified (sql/0012_pinned_paths.sql; tests/hostile_neighbour.rs keeps the list).
+'
+            ELSE '' END
+       || pg_get_functiondef(p.oid)
 FROM pg_proc p
 WHERE p.pronamespace = 'pgbus'::regnamespace AND p.prokind IN ('f', 'p')
 ORDER BY p.proname, pg_get_function_identity_arguments(p.oid)";

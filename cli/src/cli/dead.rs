@@ -158,7 +158,7 @@ async fn list(
     }
     let dead = admin::dead_letters_after(client, &filter, limit, after.as_ref()).await?;
     if json {
-        return print_json(&serde_json::to_value(&dead).map_err(|e| failed(e.to_string()))?);
+        return print_json(&dead);
     }
     if dead.is_empty() {
         return outln!("no dead letters");

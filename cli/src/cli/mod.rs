@@ -354,8 +354,12 @@ pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// Prints one JSON value on one line.
-pub(crate) fn print_json(value: &serde_json::Value) -> Result<(), Failure> {
+/// Prints one JSON value on one line: a `json!` object, or a library type's own
+/// serialisation. Through a `serde_json::Value`, so that an object's keys come out
+/// sorted whatever the type's field order: the output scripts and the docs read.
+pub(crate) fn print_json(value: &impl serde::Serialize) -> Result<(), Failure> {
+    let value = serde_json::to_value(value)
+        .map_err(|e| failed(format!("error: could not write the JSON output: {e}")))?;
     outln!("{value}")
 }
 

@@ -127,7 +127,7 @@ pub(crate) async fn subscriptions(
 async fn list(client: &tokio_postgres::Client, json: bool) -> Result<(), Failure> {
     let subs = admin::subscriptions(client).await?;
     if json {
-        return print_json(&serde_json::to_value(&subs).map_err(|e| failed(e.to_string()))?);
+        return print_json(&subs);
     }
     if subs.is_empty() {
         return outln!("no subscriptions yet");
