@@ -166,8 +166,6 @@ CREATE SEQUENCE pgbus.key_pos_seq AS bigint;
 
 -- Indexes
 
-CREATE INDEX deliveries_claim_idx ON pgbus.deliveries USING btree (subscription, available_at, event_seq) WHERE ((status = 'pending'::text) AND is_head);
-
 CREATE INDEX deliveries_dead_idx ON pgbus.deliveries USING btree (subscription, event_seq) WHERE (status = 'dead'::text);
 
 CREATE INDEX deliveries_dead_seq_idx ON pgbus.deliveries USING btree (event_seq, subscription) WHERE (status = 'dead'::text);
@@ -275,19 +273,19 @@ CROSS JOIN LATERAL (
     (SELECT count(*) FROM (
        SELECT 1 FROM pgbus.deliveries AS d
        WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-         AND d.available_at <= now()
-       ORDER BY d.available_at, d.event_seq
+         AND d.ready_at <= now()
+       ORDER BY d.ready_at, d.event_seq
        LIMIT $2) AS x) AS due,
     (SELECT count(*) FROM (
        SELECT 1 FROM pgbus.deliveries AS d
        WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-         AND d.available_at > now()
-       ORDER BY d.available_at, d.event_seq
+         AND d.ready_at > now()
+       ORDER BY d.ready_at, d.event_seq
        LIMIT $2) AS x) AS scheduled,
-    (SELECT d.available_at FROM pgbus.deliveries AS d
+    (SELECT d.ready_at FROM pgbus.deliveries AS d
      WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-       AND d.available_at <= now()
-     ORDER BY d.available_at, d.event_seq
+       AND d.ready_at <= now()
+     ORDER BY d.ready_at, d.event_seq
      LIMIT 1) AS oldest
 ) AS heads
 CROSS JOIN LATERAL (
@@ -395,75 +393,15 @@ CREATE OR REPLACE FUNCTION pgbus.claim_due(text[], integer[], integer, bigint, t
  RETURNS TABLE(secs double precision, subscription text, attempts integer, seq bigint, id text, event_name text, event_version integer, source text, aggregate_type text, aggregate_id text, correlation_id text, causation_id text, occurred_at timestamp with time zone, payload jsonb, headers jsonb, created_at timestamp with time zone, ordering_key text, waited double precision, cut boolean)
  LANGUAGE plpgsql
  SECURITY DEFINER
- SET plan_cache_mode TO 'force_generic_plan'
  SET jit TO 'off'
  SET search_path TO 'pg_catalog', 'pgbus', 'pg_temp'
 AS $function$
-#variable_conflict use_column
 BEGIN
 RETURN QUERY
-WITH subs AS (
-  SELECT * FROM unnest($1::text[], $2::int4[]) AS s(name, quota)
-),
-picked AS (
-  SELECT p.row_id, p.subscription, p.event_seq, p.available_at
-  FROM subs CROSS JOIN LATERAL (
-    SELECT d.ctid AS row_id, d.subscription, d.event_seq, d.available_at
-    FROM pgbus.deliveries AS d
-    WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-      AND d.available_at <= now()
-    ORDER BY d.available_at, d.event_seq
-    LIMIT subs.quota
-    FOR UPDATE SKIP LOCKED
-  ) AS p
-  ORDER BY p.available_at, p.event_seq
-  LIMIT $3
-),
-sized AS (
-  SELECT p.row_id, p.subscription, p.event_seq,
-         row_number() OVER w AS n,
-         sum(coalesce((SELECT pg_column_size(e.payload)::int8 + pg_column_size(e.headers)
-                       FROM pgbus.events AS e WHERE e.seq = p.event_seq), 0)) OVER w AS bytes
-  FROM picked AS p
-  WINDOW w AS (ORDER BY p.available_at, p.event_seq, p.subscription
-               ROWS UNBOUNDED PRECEDING)
-),
-kept AS (
-  SELECT row_id FROM sized WHERE n = 1 OR bytes <= $7::int8
-),
-claimed AS (
-  UPDATE pgbus.deliveries AS d
-  SET status = 'processing',
-      attempts = d.attempts + 1,
-      locked_until = now() + $4 * interval '1 millisecond',
-      locked_by = $5
-  WHERE d.ctid = ANY (ARRAY(SELECT row_id FROM kept))
-  RETURNING d.subscription, d.event_seq, d.attempts, d.available_at
-),
-awake AS (
-  UPDATE pgbus.consumers SET awake = true
-  WHERE id = $5 AND NOT awake AND (SELECT count(*) FROM claimed) >= $6
-  RETURNING 1
-),
-next_due AS (
-  SELECT extract(epoch FROM min(n.available_at) - now())::float8 AS secs
-  FROM subs CROSS JOIN LATERAL (
-    SELECT d.available_at FROM pgbus.deliveries AS d
-    WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-      AND d.available_at > now() AND d.available_at < 'infinity'
-    ORDER BY d.available_at, d.event_seq
-    LIMIT 1
-  ) AS n
-)
-SELECT next_due.secs, c.subscription, c.attempts,
-       e.seq, e.id, e.event_name, e.event_version, e.source, e.aggregate_type,
-       e.aggregate_id, e.correlation_id, e.causation_id, e.occurred_at, e.payload,
-       e.headers, e.created_at, e.ordering_key,
-       (extract(epoch FROM now()) - extract(epoch FROM c.available_at))::float8 AS waited,
-       (SELECT count(*) FROM sized) > (SELECT count(*) FROM kept) AS cut
-FROM next_due
-LEFT JOIN (claimed AS c JOIN pgbus.events AS e ON e.seq = c.event_seq) ON true
-ORDER BY e.seq;
+SELECT c.secs, c.subscription, c.attempts, c.seq, c.id, c.event_name, c.event_version,
+       c.source, c.aggregate_type, c.aggregate_id, c.correlation_id, c.causation_id,
+       c.occurred_at, c.payload, c.headers, c.created_at, c.ordering_key, c.waited, c.cut
+FROM pgbus.claim_due($1, $2, $3, $4, $5, $6, $7, '{}'::timestamptz[]) AS c;
 END
 $function$;
 
@@ -545,12 +483,14 @@ floors AS (
   FROM subs CROSS JOIN whole
 ),
 next_due AS (
+  -- A head due later became claimable at its due time: its ready_at is its available_at.
   SELECT extract(epoch FROM min(n.available_at) - now())::float8 AS secs
   FROM subs CROSS JOIN LATERAL (
     SELECT d.available_at FROM pgbus.deliveries AS d
     WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-      AND d.available_at > now() AND d.available_at < 'infinity'
-    ORDER BY d.available_at, d.event_seq
+      AND d.ready_at > now() AND d.ready_at < 'infinity'
+      AND d.available_at > now()
+    ORDER BY d.ready_at, d.event_seq
     LIMIT 1
   ) AS n
 )

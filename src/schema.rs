@@ -164,6 +164,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "settle_by_key",
         sql: include_str!("../sql/0026_settle_by_key.sql"),
     },
+    Migration {
+        version: 27,
+        name: "one_due_index",
+        sql: include_str!("../sql/0027_one_due_index.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

@@ -398,3 +398,73 @@ async fn an_ordered_settlement_behind_an_open_transaction_promotes_by_key() {
     );
     holder.batch_execute("ROLLBACK").await.unwrap();
 }
+
+/// The deliveries carry one index over their pending heads (migration 27): every
+/// delivery made, claimed, failed, released or promoted writes one due-time entry, not
+/// two. The claim, its next due time and the gauges all read `deliveries_ready_idx`.
+#[tokio::test]
+async fn pending_heads_have_one_due_time_index() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let rows = client
+        .query(
+            "SELECT c.relname::text FROM pg_index AS i \
+             JOIN pg_class AS c ON c.oid = i.indexrelid \
+             WHERE i.indrelid = 'pgbus.deliveries'::regclass \
+               AND pg_get_expr(i.indpred, i.indrelid) LIKE '%pending%' \
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap();
+    let names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(names, ["deliveries_ready_idx"]);
+}
+
+/// A bus older than migration 24 calls the claim without floors (seven arguments): it
+/// still takes the due deliveries oldest first, leaves the scheduled one, and reports
+/// when that one falls due, read from the same index as the claim's.
+#[tokio::test]
+async fn the_claim_without_floors_takes_what_is_due_and_tells_the_next_due_time() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    pgbus::admin::register_subscription(&client, "old", &["old.*"], 25)
+        .await
+        .unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.events (event_name, payload) \
+             SELECT 'old.due', jsonb_build_object('i', i) FROM generate_series(1, 3) AS i; \
+             INSERT INTO pgbus.events (event_name, payload, available_at) \
+             VALUES ('old.later', '{}', now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    let rows = client
+        .query(
+            "SELECT secs, event_name, attempts FROM \
+             pgbus.claim('{old}', '{10}', 10, 60000, 'w', 1, 1000000)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let claimed: Vec<(String, i32)> = rows
+        .iter()
+        .map(|r| (r.get::<_, String>(1), r.get::<_, i32>(2)))
+        .collect();
+    assert_eq!(claimed, vec![("old.due".to_owned(), 1); 3]);
+    let secs: f64 = rows[0].get(0);
+    assert!(
+        (3_500.0..=3_600.0).contains(&secs),
+        "the scheduled delivery falls due in about an hour, not in {secs} s"
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE status = 'pending' AND is_head"
+        )
+        .await,
+        1,
+        "the scheduled delivery stays pending"
+    );
+}

@@ -881,7 +881,7 @@ async fn an_ordered_claim_costs_the_same_with_a_deep_backlog() {
          {large} ({large_picking} picking) with 1.2M over 100k keys"
     );
     assert!(
-        plan.contains("\"Index Name\":\"deliveries_claim_idx\""),
+        plan.contains("\"Index Name\":\"deliveries_ready_idx\""),
         "the claim does not use its index: {plan}"
     );
     for (part, small, large) in [

@@ -3,7 +3,7 @@
 
 /// Claims a batch of due deliveries of this bus's subscriptions and leases them: first
 /// `pgbus.claim` turns what committed into deliveries (`pgbus.fan_out_committed`), then
-/// it runs the claim query, the body of `pgbus.claim_due` (migration 24; its current text
+/// it runs the claim query, the body of `pgbus.claim_due` (migrations 24 and 27; its current text
 /// is in `sql/schema.sql`, and `pgbus_testkit::claim_statement` reads it for tests that
 /// explain it). Its plan is generic (`plan_cache_mode = force_generic_plan`), cached for
 /// the session by PL/pgSQL: no planning per claim, pooler or not.
@@ -17,7 +17,9 @@
 /// One index range scan per subscription (`deliveries_ready_idx`) picks the pending rows
 /// that became claimable first (`ready_at`, migration 24), from the subscription's floor
 /// on, with `FOR UPDATE SKIP LOCKED`, so the cost is O(batch) whatever the backlog, and
-/// one subscription's backlog never slows another's. The floor keeps the scan off the
+/// one subscription's backlog never slows another's; the next due time is the same
+/// index's first entry after `now()` (a head due later has `ready_at = available_at`),
+/// so the deliveries carry one due-time index, not two (migration 27). The floor keeps the scan off the
 /// index entries of deliveries claimed since the oldest open transaction began (which no
 /// vacuum may remove while it runs): every claimable delivery has `ready_at` at or above
 /// it, and `floors` (every row) gives the next claim's, in `$1`'s order: five seconds
@@ -149,11 +151,13 @@ pub const REPAIR: &str =
 /// Columns: `subscription`; `due` (pending, due now: the claimable heads and, in an
 /// ordered subscription, the deliveries waiting behind their key's head), `scheduled`
 /// (pending, due later), `processing`, `dead`; `oldest_due_age`, the seconds since the
-/// oldest claimable delivery became due (NULL when none is due); `blocked_keys`, keys
-/// whose head is a dead letter.
+/// oldest claimable delivery became claimable (its `ready_at`: for a follower of an
+/// ordered key, its promotion; NULL when none is due); `blocked_keys`, keys whose head is
+/// a dead letter.
 ///
-/// Index-backed, each count bounded by `$2`: the heads through `deliveries_claim_idx`
-/// (one range each side of `now()`, and its first entry for the oldest age), the
+/// Index-backed, each count bounded by `$2`: the heads through `deliveries_ready_idx`
+/// (one range each side of `now()`, and its first entry for the oldest age; migration
+/// 27), the
 /// deliveries behind a head through `deliveries_key_idx` (an unordered subscription has
 /// none: an empty range), dead letters and blocked keys through `deliveries_dead_idx`,
 /// and the leased ones through `deliveries_reap_idx` (all of them, grouped: they are as
