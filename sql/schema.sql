@@ -153,6 +153,8 @@ CREATE TABLE pgbus.subscriptions (
     ordered boolean DEFAULT false NOT NULL,
     on_dead text DEFAULT 'block'::text NOT NULL,
     created_in pg_snapshot DEFAULT pgbus.snapshot_of_others(),
+    paused_at timestamp with time zone,
+    paused_by text,
     CONSTRAINT subscriptions_pkey PRIMARY KEY (name),
     CONSTRAINT subscriptions_max_attempts_check CHECK ((max_attempts >= 1)),
     CONSTRAINT subscriptions_name_check CHECK (pgbus.valid_name(name)),
@@ -244,14 +246,14 @@ END
 $function$;
 
 CREATE OR REPLACE FUNCTION pgbus.backlog(subscriptions text[], cap bigint)
- RETURNS TABLE(subscription text, due bigint, scheduled bigint, processing bigint, dead bigint, oldest_due_age double precision, blocked_keys bigint)
+ RETURNS TABLE(subscription text, due bigint, scheduled bigint, processing bigint, dead bigint, oldest_due_age double precision, blocked_keys bigint, paused boolean)
  LANGUAGE sql
  STABLE
  SET jit TO 'off'
  SET search_path TO 'pg_catalog', 'pgbus', 'pg_temp'
 AS $function$
 WITH subs AS (
-  SELECT s.name FROM pgbus.subscriptions AS s
+  SELECT s.name, s.paused_at IS NOT NULL AS paused FROM pgbus.subscriptions AS s
   WHERE $1::text[] IS NULL OR s.name = ANY ($1::text[])
 ),
 leased AS (
@@ -266,7 +268,8 @@ SELECT subs.name AS subscription,
        least(coalesce(leased.n, 0), $2::int8) AS processing,
        dead.n AS dead,
        (extract(epoch FROM now()) - extract(epoch FROM heads.oldest))::float8 AS oldest_due_age,
-       dead.blocked AS blocked_keys
+       dead.blocked AS blocked_keys,
+       subs.paused
 FROM subs
 CROSS JOIN LATERAL (
   SELECT
@@ -417,7 +420,10 @@ AS $function$
 BEGIN
 RETURN QUERY
 WITH subs AS (
-  SELECT * FROM unnest($1::text[], $2::int4[], $8::timestamptz[]) WITH ORDINALITY
+  SELECT s.name, s.quota, s.floor, s.ord,
+         EXISTS (SELECT 1 FROM pgbus.subscriptions AS p
+                 WHERE p.name = s.name AND p.paused_at IS NOT NULL) AS paused
+  FROM unnest($1::text[], $2::int4[], $8::timestamptz[]) WITH ORDINALITY
     AS s(name, quota, floor, ord)
 ),
 candidates AS (
@@ -430,7 +436,7 @@ candidates AS (
       AND d.ready_at <= now() + interval '1 second'
       AND d.available_at <= now()
     ORDER BY d.ready_at, d.event_seq
-    LIMIT subs.quota
+    LIMIT CASE WHEN subs.paused THEN 0 ELSE subs.quota END
     FOR UPDATE SKIP LOCKED
   ) AS p
 ),
@@ -470,7 +476,8 @@ whole AS (
 ),
 floors AS (
   SELECT array_agg(
-           CASE WHEN whole.took_all
+           CASE WHEN subs.paused THEN subs.floor
+                WHEN whole.took_all
                      AND (SELECT count(*) FROM candidates AS c
                           WHERE c.subscription = subs.name) < subs.quota
                   THEN now() - interval '5 seconds'
@@ -491,7 +498,7 @@ next_due AS (
       AND d.ready_at > now() AND d.ready_at < 'infinity'
       AND d.available_at > now()
     ORDER BY d.ready_at, d.event_seq
-    LIMIT 1
+    LIMIT CASE WHEN subs.paused THEN 0 ELSE 1 END
   ) AS n
 )
 SELECT next_due.secs, c.subscription, c.attempts,
@@ -963,7 +970,9 @@ BEGIN
                    'pgbus.skip_dead_head(text, text), '
                    'pgbus.ensure_heads(text[], text[]), '
                    'pgbus.retry_dead(text, text), '
-                   'pgbus.redrive_head(text, text) TO %s', operator);
+                   'pgbus.redrive_head(text, text), '
+                   'pgbus.pause_subscription(text), '
+                   'pgbus.resume_subscription(text) TO %s', operator);
 END
 $function$;
 
@@ -1318,6 +1327,28 @@ AS $function$
         OR pattern OPERATOR(pg_catalog.=) event_name
         OR (pg_catalog."right"(pattern, 2) OPERATOR(pg_catalog.=) '.*'
             AND pg_catalog.starts_with(event_name, pg_catalog."left"(pattern, -1)))
+$function$;
+
+CREATE OR REPLACE FUNCTION pgbus.pause_subscription(p_name text)
+ RETURNS TABLE(known boolean, since timestamp with time zone, already boolean)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pgbus', 'pg_temp'
+AS $function$
+DECLARE
+    v_was timestamptz;
+    v_known boolean;
+BEGIN
+    SELECT s.paused_at INTO v_was FROM pgbus.subscriptions AS s
+    WHERE s.name = p_name FOR UPDATE;
+    v_known := FOUND;
+    IF v_known AND v_was IS NULL THEN
+        UPDATE pgbus.subscriptions AS s SET paused_at = now(), paused_by = session_user
+        WHERE s.name = p_name;
+    END IF;
+    RETURN QUERY SELECT v_known, CASE WHEN v_known THEN coalesce(v_was, now()) END,
+                        v_was IS NOT NULL;
+END
 $function$;
 
 CREATE OR REPLACE FUNCTION pgbus.promote_orphans(max_keys integer)
@@ -1801,6 +1832,28 @@ BEGIN
         RETURN true;
     END IF;
     RETURN false;
+END
+$function$;
+
+CREATE OR REPLACE FUNCTION pgbus.resume_subscription(p_name text)
+ RETURNS TABLE(known boolean, since timestamp with time zone, resumed boolean)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pgbus', 'pg_temp'
+AS $function$
+DECLARE
+    v_was timestamptz;
+    v_known boolean;
+BEGIN
+    SELECT s.paused_at INTO v_was FROM pgbus.subscriptions AS s
+    WHERE s.name = p_name FOR UPDATE;
+    v_known := FOUND;
+    IF v_was IS NOT NULL THEN
+        UPDATE pgbus.subscriptions AS s SET paused_at = NULL, paused_by = NULL
+        WHERE s.name = p_name;
+        PERFORM pg_notify('pgbus', '');
+    END IF;
+    RETURN QUERY SELECT v_known, v_was, v_was IS NOT NULL;
 END
 $function$;
 
@@ -2326,6 +2379,7 @@ AS $function$SELECT t !~ E'[\\u0001-\\u001f\\u007f-\\u009f\\u00ad\\u034f\\u061c\
 -- function pgbus.passed(xid8,pg_snapshot): PUBLIC=EXECUTE owner=EXECUTE
 -- function pgbus.pattern_key(text): default (PUBLIC=EXECUTE owner=EXECUTE)
 -- function pgbus.pattern_matches(text,text): default (PUBLIC=EXECUTE owner=EXECUTE)
+-- function pgbus.pause_subscription(text): owner=EXECUTE
 -- function pgbus.promote_orphans(integer): owner=EXECUTE
 -- function pgbus.publish(text,jsonb,jsonb,text,text,text,text,text,text,integer,timestamp with time zone,text): default (PUBLIC=EXECUTE owner=EXECUTE)
 -- function pgbus.publish_batch(text[],text[],integer[],text[],text[],text[],text[],text[],timestamp with time zone[],text[],text[],timestamp with time zone[],bigint[],text[]): owner=EXECUTE
@@ -2339,6 +2393,7 @@ AS $function$SELECT t !~ E'[\\u0001-\\u001f\\u007f-\\u009f\\u00ad\\u034f\\u061c\
 -- function pgbus.replay(text,timestamp with time zone,timestamp with time zone,text): owner=EXECUTE
 -- function pgbus.require_read_committed(text): default (PUBLIC=EXECUTE owner=EXECUTE)
 -- function pgbus.resign(text): owner=EXECUTE
+-- function pgbus.resume_subscription(text): owner=EXECUTE
 -- function pgbus.retry_dead(text,text): owner=EXECUTE
 -- function pgbus.running_too(pg_snapshot,xid8): PUBLIC=EXECUTE owner=EXECUTE
 -- function pgbus.settle(text[],bigint[],integer[],text[],bigint[],integer[],text[],bigint[],boolean[],text[],bigint[],integer[],text): owner=EXECUTE

@@ -61,10 +61,14 @@ pub const CLAIM_BATCH_SIZE: &str = "pgbus_claim_batch_size";
 /// to [`GAUGE_COUNT_CAP`].
 pub const BACKLOG: &str = "pgbus_backlog";
 /// Gauge `{subscription}`: seconds since the oldest delivery a consumer could claim now
-/// became due; 0 when none is due.
+/// became claimable (a follower of an ordered key: since its head settled); 0 when none
+/// is due.
 pub const OLDEST_DUE_AGE: &str = "pgbus_oldest_due_age_seconds";
 /// Gauge `{subscription}`: ordering keys blocked by a dead head.
 pub const BLOCKED_KEYS: &str = "pgbus_blocked_keys";
+/// Gauge `{subscription}`: 1 while the subscription is paused
+/// ([`pause_subscription`](crate::admin::pause_subscription)), 0 while it delivers.
+pub const SUBSCRIPTION_PAUSED: &str = "pgbus_subscription_paused";
 
 /// Gauge: seconds since the oldest transaction of this database that holds the xmin
 /// horizon back (a session with a snapshot or a transaction id, a prepared transaction)
@@ -158,6 +162,10 @@ pub fn describe() {
         BLOCKED_KEYS,
         Unit::Count,
         "Ordering keys blocked by a dead head"
+    );
+    describe_gauge!(
+        SUBSCRIPTION_PAUSED,
+        "1 while the subscription is paused (its deliveries wait), 0 while it delivers"
     );
     describe_gauge!(
         FAN_OUT_BACKLOG,
@@ -280,11 +288,13 @@ pub struct Backlog {
     pub processing: i64,
     /// Dead letters (up to the cap).
     pub dead: i64,
-    /// Seconds since the oldest delivery a consumer could claim now became due; `None`
-    /// when none is due.
+    /// Seconds since the oldest delivery a consumer could claim now became claimable (a
+    /// follower of an ordered key: since its head settled); `None` when none is due.
     pub oldest_due_age: Option<f64>,
     /// Keys of an ordered subscription whose head is a dead letter (up to the cap).
     pub blocked_keys: i64,
+    /// Whether the subscription is paused: its consumers claim none of its deliveries.
+    pub paused: bool,
 }
 
 impl Backlog {
@@ -300,11 +310,12 @@ impl Backlog {
                 .try_get::<_, Option<f64>>("oldest_due_age")?
                 .filter(|s| s.is_finite()),
             blocked_keys: row.try_get("blocked_keys")?,
+            paused: row.try_get("paused")?,
         })
     }
 
-    /// Sets the gauges [`BACKLOG`], [`OLDEST_DUE_AGE`] and [`BLOCKED_KEYS`] of this
-    /// subscription on the installed recorder.
+    /// Sets the gauges [`BACKLOG`], [`OLDEST_DUE_AGE`], [`BLOCKED_KEYS`] and
+    /// [`SUBSCRIPTION_PAUSED`] of this subscription on the installed recorder.
     pub fn record(&self) {
         let sub = SharedString::from(self.subscription.clone());
         for (state, n) in [
@@ -317,7 +328,8 @@ impl Backlog {
         }
         gauge!(OLDEST_DUE_AGE, "subscription" => sub.clone())
             .set(self.oldest_due_age.unwrap_or(0.0).max(0.0));
-        gauge!(BLOCKED_KEYS, "subscription" => sub).set(self.blocked_keys as f64);
+        gauge!(BLOCKED_KEYS, "subscription" => sub.clone()).set(self.blocked_keys as f64);
+        gauge!(SUBSCRIPTION_PAUSED, "subscription" => sub).set(f64::from(u8::from(self.paused)));
     }
 }
 

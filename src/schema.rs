@@ -169,6 +169,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "one_due_index",
         sql: include_str!("../sql/0027_one_due_index.sql"),
     },
+    Migration {
+        version: 28,
+        name: "pause",
+        sql: include_str!("../sql/0028_pause.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

@@ -789,9 +789,11 @@ const OPERATOR: &[&str] = &[
     "delivery_failures SELECT",
     "ensure_heads() EXECUTE",
     "events SELECT",
+    "pause_subscription() EXECUTE",
     "purge_dead() EXECUTE",
     "redrive_head() EXECUTE",
     "replay() EXECUTE",
+    "resume_subscription() EXECUTE",
     "retry_dead() EXECUTE",
     "schema USAGE",
     "settings SELECT",
@@ -1053,6 +1055,8 @@ async fn consumers_and_publishers_cannot_operate_nor_lock_the_bus() {
     );
     needs(pgbus::ordering::redrive_head(c, "o", "k1").await, op, role);
     needs(pgbus::ordering::skip_head(c, "o", "k2").await, op, role);
+    needs(pgbus::admin::pause_subscription(c, "u").await, op, role);
+    needs(pgbus::admin::resume_subscription(c, "u").await, op, role);
     needs(
         pgbus::admin::drop_subscription(c, "u", true).await,
         pgbus::Grant::Owner,
@@ -1106,6 +1110,10 @@ async fn an_operator_retries_purges_replays_reconfigures_redrives_and_skips() {
     assert!(pgbus::ordering::skip_head(&op, "o", "k2").await.unwrap());
     assert_eq!(delivery(&admin, "o", "o3").await, "dead 5 false");
     assert_eq!(delivery(&admin, "o", "o4").await, "pending 0 true");
+    let paused = pgbus::admin::pause_subscription(&op, "u").await.unwrap();
+    assert!(!paused.already);
+    let resumed = pgbus::admin::resume_subscription(&op, "u").await.unwrap();
+    assert_eq!(resumed.paused_since, Some(paused.since));
     // The status and the dead letters read as the operator.
     pgbus::admin::status(&op).await.unwrap();
     pgbus::admin::dead_letters(&op, &pgbus::admin::DeadLetterFilter::all(), 10)

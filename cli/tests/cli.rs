@@ -1094,3 +1094,87 @@ async fn dead_list_pages_and_escapes_what_a_terminal_would_interpret() {
     let bad = run(pgbus_on(&db), &["dead", "list", "--after", "nope"]).await;
     assert_eq!(bad.code, 2, "{bad:?}");
 }
+
+/// `subscriptions pause` and `resume` against running consumers of an ordered and an
+/// unordered subscription: while paused, their deliveries are made and wait (not one
+/// attempt), `status` and `subscriptions list` say so; resumed, each consumer prints what
+/// waited, the ordered one each key in order.
+#[tokio::test]
+async fn subscriptions_pause_and_resume_running_ordered_and_unordered_consumers() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut plain = Consumer::start(&db, &["-s", "plain", "-p", "p.*"]).await;
+    let mut ordered = Consumer::start(&db, &["-s", "ordered", "-p", "p.*", "--ordered"]).await;
+    for name in ["plain", "ordered"] {
+        let out = run(pgbus_on(&db), &["subscriptions", "pause", name])
+            .await
+            .ok();
+        assert!(out.stdout.starts_with("paused subscription"), "{out:?}");
+        let again = run(pgbus_on(&db), &["subscriptions", "pause", name, "--json"])
+            .await
+            .ok();
+        assert_eq!(again.json()["already"], true, "{again:?}");
+    }
+    for n in 0..3 {
+        pgbus::publish(
+            &client,
+            &pgbus::Event::new("p.x", json!({ "n": n })).ordering_key("k"),
+        )
+        .await
+        .unwrap();
+    }
+    wait_count(
+        &client,
+        "the paused subscriptions' deliveries",
+        "SELECT count(*) FROM pgbus.deliveries WHERE status = 'pending' AND attempts = 0",
+        6,
+    )
+    .await;
+    let status = run(pgbus_on(&db), &["status", "--json"]).await.ok().json();
+    for sub in status["subscriptions"].as_array().unwrap() {
+        assert!(sub["paused_since"].is_string(), "{sub}");
+        assert_eq!(sub["pending"], 3, "{sub}");
+    }
+    let table = run(pgbus_on(&db), &["status"]).await.ok();
+    assert!(table.stdout.contains("plain (paused)"), "{table:?}");
+    let listed = run(pgbus_on(&db), &["subscriptions", "list", "--json"])
+        .await
+        .ok()
+        .json();
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["paused_at"].is_string()),
+        "{listed}"
+    );
+
+    for name in ["plain", "ordered"] {
+        let out = run(pgbus_on(&db), &["subscriptions", "resume", name])
+            .await
+            .ok();
+        assert!(out.stdout.starts_with("resumed subscription"), "{out:?}");
+    }
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(ordered.next().await["payload"]["n"].as_i64().unwrap());
+    }
+    assert_eq!(got, [0, 1, 2], "the ordered key out of order");
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(plain.next().await["payload"]["n"].as_i64().unwrap());
+    }
+    got.sort_unstable();
+    assert_eq!(got, [0, 1, 2]);
+    wait_settled(&client, "every delivery to be acked").await;
+    let out = run(pgbus_on(&db), &["subscriptions", "resume", "plain"])
+        .await
+        .ok();
+    assert!(out.stdout.contains("was not paused"), "{out:?}");
+    let out = run(pgbus_on(&db), &["subscriptions", "pause", "nope"]).await;
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stderr.contains("unknown subscription"), "{out:?}");
+    assert_eq!(plain.terminate().await, 0);
+    assert_eq!(ordered.terminate().await, 0);
+}

@@ -830,3 +830,120 @@ async fn after_action(browser: &fantoccini::Client) -> fantoccini::elements::Ele
         .await
         .expect("the action's outcome on the page that its POST loads")
 }
+
+/// Pausing from a subscription's page holds a running consumer's deliveries (made, not
+/// one attempt), the overview shows the subscription as paused, a resubmitted Pause
+/// changes nothing and says so, and Resume delivers what waited: an unordered and an
+/// ordered subscription, the ordered one in its key's order.
+#[tokio::test]
+async fn pausing_from_the_dashboard_holds_running_consumers_and_resuming_delivers() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    let mut mailer = Consumer::start(&db, &["-s", "mailer", "-p", "mail.*"]).await;
+    let mut ledger = Consumer::start(&db, &["-s", "ledger", "-p", "ledger.*", "--ordered"]).await;
+    let ui = Ui::start(&db, &["--allow-actions"], &[]).await;
+    let driver = Chromedriver::start().await.unwrap();
+    let browser = browser(&driver).await;
+
+    for name in ["mailer", "ledger"] {
+        browser
+            .goto(&ui.url(&format!("/subscriptions/{name}")))
+            .await
+            .unwrap();
+        browser
+            .find(Locator::Id("pause"))
+            .await
+            .unwrap()
+            .click()
+            .await
+            .unwrap();
+        let done = after_action(&browser).await;
+        assert_eq!(
+            done.text().await.unwrap(),
+            format!("paused {name}: its deliveries wait until it is resumed")
+        );
+        let state = browser.find(Locator::Id("state")).await.unwrap();
+        assert_eq!(state.text().await.unwrap(), "paused");
+        browser.find(Locator::Id("resume")).await.unwrap();
+    }
+    for n in 0..3 {
+        pgbus::publish(&client, &Event::new("mail.send", json!({ "n": n })))
+            .await
+            .unwrap();
+        pgbus::publish(
+            &client,
+            &Event::new("ledger.ok", json!({ "n": n })).aggregate("acct", "1"),
+        )
+        .await
+        .unwrap();
+    }
+    browser.goto(&ui.url("/")).await.unwrap();
+    wait_overview(&browser, "mailer", "health", "paused").await;
+    wait_overview(&browser, "mailer", "due", "3").await;
+    wait_overview(&browser, "ledger", "health", "paused").await;
+    wait_overview(&browser, "ledger", "due", "3").await;
+    assert_eq!(
+        common::count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE attempts > 0 OR status <> 'pending'"
+        )
+        .await,
+        0,
+        "a paused subscription's delivery was claimed"
+    );
+
+    // A Pause sent again from a page loaded before the pause: nothing changes, and the
+    // answer says so.
+    let token = csrf_cookie(&ui, &[]).await;
+    let cookie = format!("pgbus_csrf={token}");
+    let origin = format!("http://{}", ui.addr);
+    let again = http(
+        ui.addr,
+        "POST",
+        "/subscriptions/mailer/pause",
+        &[("Cookie", &cookie), ("Origin", &origin)],
+        &format!("csrf={token}"),
+    )
+    .await;
+    assert_eq!(again.status, 303, "{again:?}");
+    let location = again.header("location").unwrap().to_string();
+    let shown = http(ui.addr, "GET", &location, &[("Cookie", &cookie)], "").await;
+    assert!(
+        shown.body.contains("mailer was already paused"),
+        "{}",
+        shown.body
+    );
+
+    for name in ["mailer", "ledger"] {
+        browser
+            .goto(&ui.url(&format!("/subscriptions/{name}")))
+            .await
+            .unwrap();
+        browser
+            .find(Locator::Id("resume"))
+            .await
+            .unwrap()
+            .click()
+            .await
+            .unwrap();
+        let done = after_action(&browser).await.text().await.unwrap();
+        assert!(
+            done.starts_with(&format!("resumed {name} (paused since ")),
+            "{done}"
+        );
+    }
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(ledger.next().await["payload"]["n"].as_i64().unwrap());
+    }
+    assert_eq!(got, [0, 1, 2], "the ordered key out of order");
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(mailer.next().await["payload"]["n"].as_i64().unwrap());
+    }
+    got.sort_unstable();
+    assert_eq!(got, [0, 1, 2]);
+    browser.goto(&ui.url("/")).await.unwrap();
+    wait_overview(&browser, "mailer", "health", "healthy").await;
+    browser.close().await.unwrap();
+}

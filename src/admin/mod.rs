@@ -1,5 +1,5 @@
-//! Operating the bus: subscriptions, status, dead letters, replay, ordering and the retention
-//! sweep. The `pgbus` command line is a thin layer over these functions.
+//! Operating the bus: subscriptions (pausing and resuming them too), status, dead letters,
+//! replay, ordering and the retention sweep. The `pgbus` command line is a thin layer over these functions.
 //!
 //! Every function here is one statement (except [`sweep`], one statement per batch), so
 //! each works on any [`Executor`](crate::Executor): given a client, the statement is its own transaction;
@@ -53,8 +53,8 @@ pub use status::{
     xmin_horizon,
 };
 pub use subscriptions::{
-    Dropped, SubscriptionInfo, drop_subscription, register_subscription, require_subscription,
-    subscriptions,
+    Dropped, Paused, Resumed, SubscriptionInfo, drop_subscription, pause_subscription,
+    register_subscription, require_subscription, resume_subscription, subscriptions,
 };
 
 pub use crate::retention::{DEFAULT_RETENTION, DEFAULT_SWEEP_BATCH, Swept, sweep, sweep_batch};

@@ -47,6 +47,9 @@ pub struct SubscriptionStatus {
     pub done_estimated: bool,
     /// Live consumers (running buses) serving this subscription.
     pub consumers: i64,
+    /// When it was paused ([`pause_subscription`](crate::admin::pause_subscription));
+    /// `None` while it delivers.
+    pub paused_at: Option<DateTime<Utc>>,
 }
 
 /// The bus's state, from [`status`].
@@ -203,6 +206,7 @@ async fn subscription_statuses<C: GenericClient>(
                 done_last_minute: row.try_get("done_last_minute")?,
                 done_estimated: row.try_get("done_estimated")?,
                 consumers: row.try_get("consumers")?,
+                paused_at: row.try_get("paused_at")?,
             })
         })
         .collect()

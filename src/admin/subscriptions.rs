@@ -86,6 +86,8 @@ pub struct SubscriptionInfo {
     pub updated_at: DateTime<Utc>,
     /// Live consumers (running buses) serving it.
     pub consumers: i64,
+    /// When it was paused ([`pause_subscription`]); `None` while it delivers.
+    pub paused_at: Option<DateTime<Utc>>,
 }
 
 /// Lists the registered subscriptions, by name.
@@ -108,6 +110,7 @@ pub async fn subscriptions<C: Executor + ?Sized>(client: &C) -> Result<Vec<Subsc
                 created_at: row.try_get("created_at")?,
                 updated_at: row.try_get("updated_at")?,
                 consumers: row.try_get("consumers")?,
+                paused_at: row.try_get("paused_at")?,
             })
         })
         .collect()
@@ -164,5 +167,83 @@ pub async fn drop_subscription<C: Executor + ?Sized>(
     Ok(Dropped {
         deliveries: row.try_get::<_, i64>("deliveries")? as u64,
         failures: row.try_get::<_, i64>("failures")? as u64,
+    })
+}
+
+/// What [`pause_subscription`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Paused {
+    /// Since when the subscription is paused: now, or when an earlier pause took effect.
+    pub since: DateTime<Utc>,
+    /// Whether it was paused already (this call changed nothing).
+    pub already: bool,
+}
+
+/// Pauses a subscription: its consumers claim none of its deliveries until
+/// [`resume_subscription`]. Publishing goes on, and its deliveries wait. What its
+/// consumers hold at the pause is settled as usual, and an ordered key's next delivery is
+/// still promoted when its head settles, so on resume every key goes on in order. Its
+/// consumers stay connected; [`subscriptions`] and [`status`](crate::admin::status) show
+/// it as paused, and the gauge `pgbus_subscription_paused` reads 1. Pausing a paused
+/// subscription changes nothing.
+///
+/// # Errors
+///
+/// [`Error::UnknownSubscription`] when no subscription has the name (nothing is changed),
+/// [`Error::NeedsGrant`] when the role lacks the operator grant (`pgbus.grant_operator`),
+/// [`Error::Database`] when the statement fails.
+pub async fn pause_subscription<C: Executor + ?Sized>(client: &C, name: &str) -> Result<Paused> {
+    let row = one_row(
+        client.client(),
+        sql::PAUSE_SUBSCRIPTION,
+        &[(&name, Type::TEXT)],
+    )
+    .await;
+    let row = needs_grant(client, "pausing a subscription", Grant::Operator, row).await?;
+    if !row.try_get::<_, bool>("known")? {
+        return Err(Error::UnknownSubscription {
+            name: name.to_string(),
+        });
+    }
+    Ok(Paused {
+        since: row.try_get("since")?,
+        already: row.try_get("already")?,
+    })
+}
+
+/// What [`resume_subscription`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Resumed {
+    /// When the subscription had been paused; `None` when it was not paused (this call
+    /// changed nothing).
+    pub paused_since: Option<DateTime<Utc>>,
+}
+
+/// Resumes a paused subscription: its consumers are notified and claim what waited at
+/// once, oldest first, each ordered key from its head. Resuming a subscription that is
+/// not paused changes nothing.
+///
+/// # Errors
+///
+/// [`Error::UnknownSubscription`] when no subscription has the name,
+/// [`Error::NeedsGrant`] when the role lacks the operator grant (`pgbus.grant_operator`),
+/// [`Error::Database`] when the statement fails.
+pub async fn resume_subscription<C: Executor + ?Sized>(client: &C, name: &str) -> Result<Resumed> {
+    let row = one_row(
+        client.client(),
+        sql::RESUME_SUBSCRIPTION,
+        &[(&name, Type::TEXT)],
+    )
+    .await;
+    let row = needs_grant(client, "resuming a subscription", Grant::Operator, row).await?;
+    if !row.try_get::<_, bool>("known")? {
+        return Err(Error::UnknownSubscription {
+            name: name.to_string(),
+        });
+    }
+    Ok(Resumed {
+        paused_since: row.try_get("since")?,
     })
 }

@@ -10,7 +10,8 @@
 /// due (NULL when none is due); `done_last_minute`, the events published in the last
 /// minute that matched and whose delivery is finished (completed, or purged), and
 /// `done_estimated`, whether that count was estimated from a sample of the minute;
-/// `consumers`, live consumers serving it; `blocked_keys`, keys blocked by a dead head.
+/// `consumers`, live consumers serving it; `blocked_keys`, keys blocked by a dead head;
+/// `paused_at`, when it was paused (NULL while it delivers).
 ///
 /// Set-based: one pass over the deliveries (of the one subscription, through the primary
 /// key, when `$1` is given) grouped by subscription; the last minute's count from
@@ -53,7 +54,8 @@ SELECT s.name, s.patterns, s.max_attempts,
        coalesce(done.done, 0) AS done_last_minute,
        coalesce((SELECT bool_or(r.estimated) FROM recent AS r), false) AS done_estimated,
        coalesce(live.n, 0) AS consumers,
-       coalesce(c.blocked, 0) AS blocked_keys
+       coalesce(c.blocked, 0) AS blocked_keys,
+       s.paused_at
 FROM pgbus.subscriptions AS s
 LEFT JOIN counts AS c ON c.subscription = s.name
 LEFT JOIN recent AS done ON done.subscription = s.name
@@ -207,9 +209,9 @@ pub const DEAD_PURGE: &str = "SELECT purged, failures FROM pgbus.purge_dead($1, 
 pub const REPLAY: &str = "SELECT found, matched, created, woke FROM pgbus.replay($1::text, $2::timestamptz, $3::timestamptz, $4::text)";
 
 /// Every subscription: `name`, `patterns`, `max_attempts`, `created_at`, `updated_at`,
-/// and `consumers`, the live consumers serving it.
+/// `paused_at` (NULL unless paused), and `consumers`, the live consumers serving it.
 pub const SUBSCRIPTIONS_LIST: &str = "\
-SELECT s.name, s.patterns, s.max_attempts, s.created_at, s.updated_at,
+SELECT s.name, s.patterns, s.max_attempts, s.created_at, s.updated_at, s.paused_at,
        (SELECT count(*) FROM pgbus.consumers AS k
          WHERE k.expires_at > now() AND s.name = ANY (k.subscriptions)) AS consumers
 FROM pgbus.subscriptions AS s
@@ -368,3 +370,17 @@ pub const REDRIVE_HEAD: &str = "SELECT redriven, woke FROM pgbus.redrive_head($1
 /// Parameters: `$1 text` subscription, `$2 text` key. Returns a row (`skipped`) when
 /// there was a dead head to skip.
 pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
+
+/// Pauses a subscription (migration 28): its claims hand out nothing until it is resumed;
+/// deliveries are still made. Parameter `$1 text`: the name. Returns one row: `known`
+/// (whether the subscription exists), `since` (when it was paused, by this call or an
+/// earlier one; NULL when unknown), `already` (it was paused before this call). The
+/// operator's (`pgbus.grant_operator`).
+pub const PAUSE_SUBSCRIPTION: &str =
+    "SELECT known, since, already FROM pgbus.pause_subscription($1)";
+
+/// Resumes a paused subscription and notifies the buses, so that its deliveries flow at
+/// once. Parameter `$1 text`: the name. Returns one row: `known`, `since` (when it had
+/// been paused; NULL when it was not), `resumed` (whether it was paused). The operator's.
+pub const RESUME_SUBSCRIPTION: &str =
+    "SELECT known, since, resumed FROM pgbus.resume_subscription($1)";

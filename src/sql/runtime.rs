@@ -26,7 +26,10 @@
 /// before this claim when it took everything it found for the subscription, the oldest
 /// it took when it was full, the same floor when it took none. Attempts count claims.
 /// Only heads are claimable: every delivery of an unordered subscription, and the oldest
-/// unfinished delivery of each key of an ordered one.
+/// unfinished delivery of each key of an ordered one. A paused subscription (migration
+/// 28; one primary-key probe of `pgbus.subscriptions` per subscription) takes nothing,
+/// has no next due time, and keeps its floor, so that its first claim after the resume
+/// finds every delivery made meanwhile.
 ///
 /// The byte budget: of the rows picked, oldest first, only those whose running sum of
 /// `pg_column_size(payload) + pg_column_size(headers)` stays within `$7` are leased, and
@@ -153,7 +156,7 @@ pub const REPAIR: &str =
 /// (pending, due later), `processing`, `dead`; `oldest_due_age`, the seconds since the
 /// oldest claimable delivery became claimable (its `ready_at`: for a follower of an
 /// ordered key, its promotion; NULL when none is due); `blocked_keys`, keys whose head is
-/// a dead letter.
+/// a dead letter; `paused`, whether it is paused (migration 28).
 ///
 /// Index-backed, each count bounded by `$2`: the heads through `deliveries_ready_idx`
 /// (one range each side of `now()`, and its first entry for the oldest age; migration
@@ -164,13 +167,13 @@ pub const REPAIR: &str =
 /// many as the consumers hold). So a sample costs at most a few times `$2` index entries
 /// per subscription, whatever the backlog (BENCHMARKS.md, "The gauges' statement").
 pub const BACKLOG: &str = "\
-SELECT subscription, due, scheduled, processing, dead, oldest_due_age, blocked_keys
+SELECT subscription, due, scheduled, processing, dead, oldest_due_age, blocked_keys, paused
 FROM pgbus.backlog($1::text[], $2::int8)";
 
 /// [`BACKLOG`] for the subscriptions of every live bus and `$1`'s (the leader samples the
 /// gauges for all of them). Parameters and rows as [`BACKLOG`]'s.
 pub const BACKLOG_LIVE: &str = "\
-SELECT subscription, due, scheduled, processing, dead, oldest_due_age, blocked_keys
+SELECT subscription, due, scheduled, processing, dead, oldest_due_age, blocked_keys, paused
 FROM pgbus.backlog(ARRAY(SELECT n FROM pgbus.consumers AS c, unnest(c.subscriptions) AS n
                          WHERE c.expires_at > now()
                          UNION SELECT unnest($1::text[])), $2::int8)";

@@ -21,7 +21,8 @@ Columns: PENDING waiting (due now or retries scheduled later), DUE pending and d
 PROCESSING claimed by a consumer, DEAD dead letters, LAG how long the oldest due delivery
 has waited, DONE/1M events of the last minute whose delivery finished (~N: estimated from
 an even sample of a minute busier than 2,000 events), CONSUMERS running consumers serving
-the subscription. Below: the notification queue, and the oldest transaction that holds the
+the subscription; (paused) after a name: its deliveries wait (`pgbus subscriptions
+resume NAME`). Below: the notification queue, and the oldest transaction that holds the
 xmin horizon back (a WARNING line past 5 minutes).")]
 pub(crate) struct StatusArgs {
     /// Only this subscription.
@@ -94,6 +95,7 @@ fn show(status: &Status, as_json: bool) -> String {
                     "done_last_minute": s.done_last_minute,
                     "done_last_minute_estimated": s.done_estimated,
                     "consumers": s.consumers,
+                    "paused_since": s.paused_at,
                 })
             })
             .collect();
@@ -118,7 +120,10 @@ fn show(status: &Status, as_json: bool) -> String {
         .iter()
         .map(|s| {
             vec![
-                s.name.clone(),
+                match s.paused_at {
+                    Some(_) => format!("{} (paused)", s.name),
+                    None => s.name.clone(),
+                },
                 s.pending.to_string(),
                 s.due.to_string(),
                 s.processing.to_string(),

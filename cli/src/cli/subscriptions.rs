@@ -1,4 +1,4 @@
-//! `pgbus subscriptions`: list, change or drop subscriptions.
+//! `pgbus subscriptions`: list, change, pause, resume or drop subscriptions.
 
 use pgbus::admin;
 use serde_json::json;
@@ -6,7 +6,7 @@ use serde_json::json;
 use super::output::plural;
 use super::{Failure, failed, parse_duration, print_json, table, usage};
 
-/// `pgbus subscriptions`: list or drop subscriptions.
+/// `pgbus subscriptions`: list, change, pause, resume or drop subscriptions.
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum SubscriptionsCommand {
     /// List the registered subscriptions.
@@ -32,6 +32,41 @@ Only the schema's owner (the role that ran `pgbus migrate`) may drop a subscript
         /// Drop it even while deliveries are processing.
         #[arg(long)]
         force: bool,
+        /// Print a JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pause a subscription: its consumers take none of its deliveries until it is resumed.
+    #[command(after_help = "\
+Example:
+  pgbus subscriptions pause mailer
+
+Publishing goes on: its deliveries are made and wait. What its consumers hold now is
+settled as usual; they stay connected and claim nothing of it. `pgbus status` and
+`subscriptions list` show it as paused, and the gauge pgbus_subscription_paused reads 1.
+Pausing a paused subscription changes nothing.
+
+Needs the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE')).")]
+    Pause {
+        /// The subscription.
+        name: String,
+        /// Print a JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Resume a paused subscription: what waited is delivered at once.
+    #[command(after_help = "\
+Example:
+  pgbus subscriptions resume mailer
+
+Its consumers are notified and claim what waited, oldest first; an ordered subscription
+goes on from each key's head, in order. Resuming a subscription that is not paused
+changes nothing.
+
+Needs the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE')).")]
+    Resume {
+        /// The subscription.
+        name: String,
         /// Print a JSON object.
         #[arg(long)]
         json: bool,
@@ -117,9 +152,57 @@ pub(crate) async fn subscriptions(
             }
             set(&client, &name, &change, wait, json).await
         }
+        SubscriptionsCommand::Pause { name, json } => pause(&client, &name, json).await,
+        SubscriptionsCommand::Resume { name, json } => resume(&client, &name, json).await,
         SubscriptionsCommand::Drop { name, force, json } => {
             drop_one(&client, &name, force, json).await
         }
+    }
+}
+
+/// A time as the command line prints it.
+fn at(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%SZ").to_string()
+}
+
+/// `pgbus subscriptions pause`.
+async fn pause(client: &tokio_postgres::Client, name: &str, json: bool) -> Result<(), Failure> {
+    let paused = admin::pause_subscription(client, name).await?;
+    if json {
+        return print_json(&json!({
+            "subscription": name,
+            "paused_since": paused.since,
+            "already": paused.already,
+        }));
+    }
+    if paused.already {
+        outln!(
+            "subscription {name:?} was already paused (since {})",
+            at(paused.since)
+        )
+    } else {
+        outln!(
+            "paused subscription {name:?}: its deliveries wait until `pgbus subscriptions resume {name}`"
+        )
+    }
+}
+
+/// `pgbus subscriptions resume`.
+async fn resume(client: &tokio_postgres::Client, name: &str, json: bool) -> Result<(), Failure> {
+    let resumed = admin::resume_subscription(client, name).await?;
+    if json {
+        return print_json(&json!({
+            "subscription": name,
+            "resumed": resumed.paused_since.is_some(),
+            "paused_since": resumed.paused_since,
+        }));
+    }
+    match resumed.paused_since {
+        Some(since) => outln!(
+            "resumed subscription {name:?} (paused since {}); its consumers are notified",
+            at(since)
+        ),
+        None => outln!("subscription {name:?} was not paused"),
     }
 }
 
@@ -140,11 +223,19 @@ async fn list(client: &tokio_postgres::Client, json: bool) -> Result<(), Failure
                 s.patterns.join(","),
                 s.max_attempts.to_string(),
                 s.consumers.to_string(),
-                s.created_at.format("%Y-%m-%d %H:%M:%SZ").to_string(),
+                at(s.created_at),
+                s.paused_at.map_or_else(|| "-".to_owned(), at),
             ]
         })
         .collect();
-    let header = ["NAME", "PATTERNS", "MAX ATTEMPTS", "CONSUMERS", "CREATED"];
+    let header = [
+        "NAME",
+        "PATTERNS",
+        "MAX ATTEMPTS",
+        "CONSUMERS",
+        "CREATED",
+        "PAUSED SINCE",
+    ];
     out!("{}", table(&header, &rows))
 }
 

@@ -253,7 +253,7 @@ struct SubscriptionRow {
     /// The throughput is estimated from an even sample of a window busier than
     /// [`THROUGHPUT_EVENTS`] (shown as `~`).
     throughput_estimated: bool,
-    /// `healthy`, `behind` or `failing`.
+    /// `healthy`, `behind`, `paused` or `failing`.
     health: &'static str,
     /// The chart: the last minutes' samples, oldest first.
     history: Vec<Point>,
@@ -544,6 +544,14 @@ fn router(app: Shared) -> Router {
         .route("/subscriptions/{name}/replay", post(replay_action))
         .route("/subscriptions/{name}/keys/redrive", post(redrive_action))
         .route("/subscriptions/{name}/keys/skip", post(skip_action))
+        .route(
+            "/subscriptions/{name}/pause",
+            post(|state, path, form| set_paused(state, path, form, true)),
+        )
+        .route(
+            "/subscriptions/{name}/resume",
+            post(|state, path, form| set_paused(state, path, form, false)),
+        )
         .layer(DefaultBodyLimit::max(FORM_LIMIT))
         .layer(middleware::from_fn_with_state(app.clone(), guard))
         .with_state(app)
@@ -827,6 +835,9 @@ async fn read_overview(app: &App) -> Result<Overview, UiError> {
                 / THROUGHPUT_WINDOW.as_secs_f64();
             let health = if b.dead > 0 || b.blocked_keys > 0 {
                 "failing"
+            } else if b.paused {
+                // Its deliveries wait on purpose: not behind.
+                "paused"
             } else if b.oldest_due_age.is_some_and(|a| a > BEHIND_AFTER)
                 || (b.due > 0 && awake + asleep == 0)
             {
@@ -1332,6 +1343,48 @@ async fn skip_action(
             format!("skipped the dead head of key {key}")
         } else {
             format!("key {key} has no dead head to skip")
+        })
+    })
+    .await
+}
+
+/// Pause (`pause` true) or resume a subscription: the answer says what changed, and a
+/// request sent again from a page loaded before (a pause of a paused subscription) that
+/// nothing did.
+async fn set_paused(
+    State(app): State<Shared>,
+    Path(name): Path<String>,
+    form: Result<Form<ActionForm>, FormRejection>,
+    pause: bool,
+) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(e) => return form_refused(&app, &e),
+    };
+    let sub = name.clone();
+    let at = |t: DateTime<Utc>| t.format("%Y-%m-%d %H:%M:%S UTC").to_string();
+    act(&app, &name, &form, |client| async move {
+        Ok(if pause {
+            let paused = admin::pause_subscription(&**client, &sub).await?;
+            if paused.already {
+                format!(
+                    "{sub} was already paused (since {}): nothing changed",
+                    at(paused.since)
+                )
+            } else {
+                format!("paused {sub}: its deliveries wait until it is resumed")
+            }
+        } else {
+            match admin::resume_subscription(&**client, &sub)
+                .await?
+                .paused_since
+            {
+                Some(since) => format!(
+                    "resumed {sub} (paused since {}): its consumers are notified",
+                    at(since)
+                ),
+                None => format!("{sub} was not paused: nothing changed"),
+            }
         })
     })
     .await

@@ -147,6 +147,7 @@ pub(super) fn overview(allow_actions: bool, overview: &Overview) -> Markup {
             p.legend {
                 span.healthy { "healthy" } " nothing dead or blocked, nothing waiting long · "
                 span.behind { "behind" } " the oldest due delivery waits over 30s, or due work has no consumer · "
+                span.paused { "paused" } " its deliveries wait until it is resumed · "
                 span.failing { "failing" } " dead letters or blocked keys"
             }
         },
@@ -192,17 +193,22 @@ pub(super) fn subscription(
     let name = &view.name;
     let href = subscription_href(name);
     let settings = &view.settings;
+    let paused = view.backlog.as_ref().is_some_and(|b| b.paused);
     layout(
         name,
         "subscription",
         allow_actions,
         html! {
             @if let Some(done) = done { div.banner.healthy #done role="status" { (Shown(done)) } }
+            @if paused {
+                div.banner.paused #paused role="status" { "Paused: its deliveries are made and wait; none is handed out until it is resumed." }
+            }
             h1 { "Subscription " span #name { (Shown(name)) } }
             dl.settings {
                 dt { "Patterns" } dd #patterns { (Shown(&settings.patterns.join(", "))) }
                 dt { "Max attempts" } dd { (settings.max_attempts) }
                 dt { "Ordered" } dd { (if settings.ordered { "yes" } else { "no" }) }
+                dt { "State" } dd #state { (if paused { "paused" } else { "delivering" }) }
                 dt { "On a dead head" } dd { (serde_json::to_value(settings.on_dead).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()) }
                 @if let Some(b) = &view.backlog {
                     dt { "Due" } dd #due { (count(b.due, cap)) }
@@ -218,6 +224,17 @@ pub(super) fn subscription(
                 section.actions {
                     h2 { "Actions" }
                     p.hint { "They need the operator grant for the dashboard's database role (as the schema's owner: SELECT pgbus.grant_operator('ROLE'))." }
+                    @if paused {
+                        form method="post" action=(format!("{href}/resume")) {
+                            (csrf_field(csrf))
+                            button #resume type="submit" { "Resume: deliver what waited" }
+                        }
+                    } @else {
+                        form method="post" action=(format!("{href}/pause")) {
+                            (csrf_field(csrf))
+                            button #pause type="submit" { "Pause: hand out none of its deliveries" }
+                        }
+                    }
                     form method="post" action=(format!("{href}/retry")) {
                         (csrf_field(csrf))
                         button #retry-all type="submit" { "Retry every dead letter" }
