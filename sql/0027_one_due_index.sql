@@ -15,9 +15,11 @@
 -- - a head due later has ready_at = available_at: the next due time is the first entry
 --   after now();
 -- - the gauges count due heads as ready_at <= now() and scheduled ones as ready_at >
---   now(), and the oldest due age is the time since the oldest claimable head became
---   claimable (a follower of an ordered key: since its promotion, not since it was due
---   behind its head);
+--   now(); the oldest due age is still the time since the oldest due head fell due (its
+--   available_at: after an outage, since the event was published, not since the bus
+--   came back and made its delivery), read as the earliest available_at among the first
+--   100 claimable heads by ready_at: heads become claimable in about the order they fall
+--   due, and 100 entries and rows cost the sample little whatever the backlog;
 -- - the claim without floors (seven arguments, a bus older than migration 24) is the
 --   claim with no floor.
 --
@@ -180,11 +182,12 @@ CROSS JOIN LATERAL (
          AND d.ready_at > now()
        ORDER BY d.ready_at, d.event_seq
        LIMIT $2) AS x) AS scheduled,
-    (SELECT d.ready_at FROM pgbus.deliveries AS d
-     WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-       AND d.ready_at <= now()
-     ORDER BY d.ready_at, d.event_seq
-     LIMIT 1) AS oldest
+    (SELECT min(o.available_at) FROM (
+       SELECT d.available_at FROM pgbus.deliveries AS d
+       WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
+         AND d.ready_at <= now()
+       ORDER BY d.ready_at, d.event_seq
+       LIMIT 100) AS o) AS oldest
 ) AS heads
 CROSS JOIN LATERAL (
   SELECT count(*) FILTER (WHERE w.available_at <= now()) AS due,

@@ -208,11 +208,12 @@ CROSS JOIN LATERAL (
          AND d.ready_at > now()
        ORDER BY d.ready_at, d.event_seq
        LIMIT $2) AS x) AS scheduled,
-    (SELECT d.ready_at FROM pgbus.deliveries AS d
-     WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
-       AND d.ready_at <= now()
-     ORDER BY d.ready_at, d.event_seq
-     LIMIT 1) AS oldest
+    (SELECT min(o.available_at) FROM (
+       SELECT d.available_at FROM pgbus.deliveries AS d
+       WHERE d.subscription = subs.name AND d.status = 'pending' AND d.is_head
+         AND d.ready_at <= now()
+       ORDER BY d.ready_at, d.event_seq
+       LIMIT 100) AS o) AS oldest
 ) AS heads
 CROSS JOIN LATERAL (
   SELECT count(*) FILTER (WHERE w.available_at <= now()) AS due,

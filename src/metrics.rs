@@ -61,8 +61,7 @@ pub const CLAIM_BATCH_SIZE: &str = "pgbus_claim_batch_size";
 /// to [`GAUGE_COUNT_CAP`].
 pub const BACKLOG: &str = "pgbus_backlog";
 /// Gauge `{subscription}`: seconds since the oldest delivery a consumer could claim now
-/// became claimable (a follower of an ordered key: since its head settled); 0 when none
-/// is due.
+/// became due; 0 when none is due.
 pub const OLDEST_DUE_AGE: &str = "pgbus_oldest_due_age_seconds";
 /// Gauge `{subscription}`: ordering keys blocked by a dead head.
 pub const BLOCKED_KEYS: &str = "pgbus_blocked_keys";
@@ -288,8 +287,8 @@ pub struct Backlog {
     pub processing: i64,
     /// Dead letters (up to the cap).
     pub dead: i64,
-    /// Seconds since the oldest delivery a consumer could claim now became claimable (a
-    /// follower of an ordered key: since its head settled); `None` when none is due.
+    /// Seconds since the oldest delivery a consumer could claim now became due; `None`
+    /// when none is due.
     pub oldest_due_age: Option<f64>,
     /// Keys of an ordered subscription whose head is a dead letter (up to the cap).
     pub blocked_keys: i64,

@@ -237,9 +237,8 @@ async fn a_real_run_counts_publishes_acks_retries_dead_letters_and_lease_expirie
 
 /// Seeds, through SQL, every state the gauges count:
 ///
-/// - `g_plain`: 3 due (the oldest claimable for 100 s: its `ready_at` is written with the
-///   triggers off, as no publish could backdate it), 2 scheduled in an hour, 1
-///   processing, 1 dead;
+/// - `g_plain`: 3 due (the oldest due 100 s ago), 2 scheduled in an hour, 1 processing,
+///   1 dead;
 /// - `g_ordered` (ordered): key `k1` with a dead head and 2 deliveries behind it (due but
 ///   blocked), key `k2` with its head processing (another worker's live lease) and 1
 ///   behind it, and one unkeyed event scheduled in an hour.
@@ -270,11 +269,9 @@ async fn seed_every_state(client: &tokio_postgres::Client) {
     common::fan_out(client).await;
     client
         .batch_execute(
-            "SET session_replication_role = replica; UPDATE pgbus.deliveries SET available_at \
-             = now() - interval '100 seconds', ready_at = now() - interval '100 seconds' WHERE \
+            "UPDATE pgbus.deliveries SET available_at = now() - interval '100 seconds' WHERE \
              subscription = 'g_plain' AND event_seq = (SELECT min(event_seq) FROM \
-             pgbus.deliveries WHERE subscription = 'g_plain'); RESET session_replication_role; \
-             UPDATE pgbus.deliveries SET \
+             pgbus.deliveries WHERE subscription = 'g_plain'); UPDATE pgbus.deliveries SET \
              status = 'processing', attempts = 1, locked_by = 'other', locked_until = now() + \
              interval '1 hour' WHERE subscription = 'g_plain' AND event_seq = (SELECT \
              max(event_seq) FROM pgbus.deliveries WHERE subscription = 'g_plain' AND \

@@ -154,13 +154,14 @@ pub const REPAIR: &str =
 /// Columns: `subscription`; `due` (pending, due now: the claimable heads and, in an
 /// ordered subscription, the deliveries waiting behind their key's head), `scheduled`
 /// (pending, due later), `processing`, `dead`; `oldest_due_age`, the seconds since the
-/// oldest claimable delivery became claimable (its `ready_at`: for a follower of an
-/// ordered key, its promotion; NULL when none is due); `blocked_keys`, keys whose head is
-/// a dead letter; `paused`, whether it is paused (migration 28).
+/// oldest claimable delivery became due (its `available_at`; NULL when none is due),
+/// taken over the first 100 claimable deliveries by the time they became claimable;
+/// `blocked_keys`, keys whose head is a dead letter; `paused`, whether it is paused
+/// (migration 28).
 ///
 /// Index-backed, each count bounded by `$2`: the heads through `deliveries_ready_idx`
-/// (one range each side of `now()`, and its first entry for the oldest age; migration
-/// 27), the
+/// (one range each side of `now()`, and its first 100 entries for the oldest age;
+/// migration 27), the
 /// deliveries behind a head through `deliveries_key_idx` (an unordered subscription has
 /// none: an empty range), dead letters and blocked keys through `deliveries_dead_idx`,
 /// and the leased ones through `deliveries_reap_idx` (all of them, grouped: they are as
