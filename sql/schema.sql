@@ -969,9 +969,11 @@ BEGIN
                    'pgbus.purge_dead(text, text), '
                    'pgbus.replay(text, timestamptz, timestamptz, text), '
                    'pgbus.skip_dead_head(text, text), '
+                   'pgbus.skip_seen_head(text, text, text), '
                    'pgbus.ensure_heads(text[], text[]), '
                    'pgbus.retry_dead(text, text), '
                    'pgbus.redrive_head(text, text), '
+                   'pgbus.redrive_seen_head(text, text, text), '
                    'pgbus.pause_subscription(text), '
                    'pgbus.resume_subscription(text) TO %s', operator);
 END
@@ -996,6 +998,17 @@ BEGIN
                    'text, text, text, text, text, timestamptz, text, text, timestamptz, '
                    'bigint, text) TO %s', publisher);
 END
+$function$;
+
+CREATE OR REPLACE FUNCTION pgbus.head_of_key(p_subscription text, p_key text)
+ RETURNS TABLE(head text, head_status text)
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pgbus', 'pg_temp'
+AS $function$
+    SELECT e.id, d.status FROM pgbus.deliveries AS d
+    LEFT JOIN pgbus.events AS e ON e.seq = d.event_seq
+    WHERE d.subscription = p_subscription AND d.ordering_key = p_key AND d.is_head
 $function$;
 
 CREATE OR REPLACE FUNCTION pgbus.heartbeat(p_id text, p_ttl_ms bigint, p_subscriptions text[], p_info text, p_awake boolean)
@@ -1700,6 +1713,35 @@ BEGIN
 END
 $function$;
 
+CREATE OR REPLACE FUNCTION pgbus.redrive_seen_head(p_subscription text, p_key text, p_event_id text)
+ RETURNS TABLE(redriven bigint, head text, head_status text)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pgbus', 'pg_temp'
+AS $function$
+DECLARE
+    v_redriven bigint;
+BEGIN
+    WITH done AS (
+      UPDATE pgbus.deliveries AS d
+      SET attempts = CASE WHEN d.status = 'dead' THEN 0 ELSE d.attempts END,
+          status = 'pending', available_at = now(),
+          locked_until = NULL, locked_by = NULL
+      WHERE d.subscription = p_subscription AND d.ordering_key = p_key AND d.is_head
+        AND d.status IN ('dead', 'pending')
+        AND d.event_seq = (SELECT e.seq FROM pgbus.events AS e WHERE e.id = p_event_id)
+      RETURNING 1
+    )
+    SELECT count(*) INTO v_redriven FROM done;
+    IF v_redriven > 0 THEN
+        PERFORM pg_notify('pgbus', '');
+    END IF;
+    RETURN QUERY
+    SELECT v_redriven, h.head, h.head_status
+    FROM (SELECT 1) AS one LEFT JOIN pgbus.head_of_key(p_subscription, p_key) AS h ON true;
+END
+$function$;
+
 CREATE OR REPLACE FUNCTION pgbus.refuse_forged()
  RETURNS trigger
  LANGUAGE plpgsql
@@ -2054,6 +2096,16 @@ CREATE OR REPLACE FUNCTION pgbus.skip_dead_head_unlocked(p_subscription text, p_
  LANGUAGE plpgsql
  SET search_path TO 'pg_catalog', 'pgbus', 'pg_temp'
 AS $function$
+BEGIN
+    RETURN QUERY SELECT * FROM pgbus.skip_dead_head_unlocked(p_subscription, p_key, NULL);
+END
+$function$;
+
+CREATE OR REPLACE FUNCTION pgbus.skip_dead_head_unlocked(p_subscription text, p_key text, p_event_id text)
+ RETURNS TABLE(skipped bigint, promoted bigint)
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pgbus', 'pg_temp'
+AS $function$
 DECLARE
     v_skipped bigint;
     v_promoted bigint;
@@ -2062,6 +2114,8 @@ BEGIN
     UPDATE pgbus.deliveries AS d SET is_head = false
     WHERE d.subscription = p_subscription AND d.ordering_key = p_key
       AND d.is_head AND d.status = 'dead'
+      AND (p_event_id IS NULL
+           OR d.event_seq = (SELECT e.seq FROM pgbus.events AS e WHERE e.id = p_event_id))
     RETURNING d.event_seq INTO v_skipped;
     IF v_skipped IS NULL THEN
         RETURN;
@@ -2074,6 +2128,28 @@ BEGIN
         PERFORM pg_notify('pgbus', '');
     END IF;
     RETURN QUERY SELECT v_skipped, v_promoted;
+END
+$function$;
+
+CREATE OR REPLACE FUNCTION pgbus.skip_seen_head(p_subscription text, p_key text, p_event_id text)
+ RETURNS TABLE(skipped text, promoted text, head text, head_status text)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pgbus', 'pg_temp'
+AS $function$
+DECLARE
+    v_skipped bigint;
+    v_promoted bigint;
+BEGIN
+    PERFORM pgbus.require_read_committed('pgbus.skip_seen_head');
+    PERFORM pgbus.lock_config(false);
+    SELECT s.skipped, s.promoted INTO v_skipped, v_promoted
+    FROM pgbus.skip_dead_head_unlocked(p_subscription, p_key, p_event_id) AS s;
+    RETURN QUERY
+    SELECT (SELECT e.id FROM pgbus.events AS e WHERE e.seq = v_skipped),
+           (SELECT e.id FROM pgbus.events AS e WHERE e.seq = v_promoted),
+           h.head, h.head_status
+    FROM (SELECT 1) AS one LEFT JOIN pgbus.head_of_key(p_subscription, p_key) AS h ON true;
 END
 $function$;
 
@@ -2361,6 +2437,7 @@ AS $function$SELECT t !~ E'[\\u0001-\\u001f\\u007f-\\u009f\\u00ad\\u034f\\u061c\
 -- function pgbus.grant_consumer(regrole): owner=EXECUTE
 -- function pgbus.grant_operator(regrole): owner=EXECUTE
 -- function pgbus.grant_publisher(regrole): owner=EXECUTE
+-- function pgbus.head_of_key(text,text): owner=EXECUTE
 -- function pgbus.heartbeat(text,bigint,text[],text,boolean): owner=EXECUTE
 -- function pgbus.index_patterns(): default (PUBLIC=EXECUTE owner=EXECUTE)
 -- function pgbus.join_subscription(text,text[],integer,boolean,text): owner=EXECUTE
@@ -2390,6 +2467,7 @@ AS $function$SELECT t !~ E'[\\u0001-\\u001f\\u007f-\\u009f\\u00ad\\u034f\\u061c\
 -- function pgbus.reap(integer): owner=EXECUTE
 -- function pgbus.reap_unlocked(integer): default (PUBLIC=EXECUTE owner=EXECUTE)
 -- function pgbus.redrive_head(text,text): owner=EXECUTE
+-- function pgbus.redrive_seen_head(text,text,text): owner=EXECUTE
 -- function pgbus.refuse_forged(): owner=EXECUTE
 -- function pgbus.replay(text,timestamp with time zone,timestamp with time zone,text): owner=EXECUTE
 -- function pgbus.require_read_committed(text): default (PUBLIC=EXECUTE owner=EXECUTE)
@@ -2401,6 +2479,8 @@ AS $function$SELECT t !~ E'[\\u0001-\\u001f\\u007f-\\u009f\\u00ad\\u034f\\u061c\
 -- function pgbus.settle_unlocked(text[],bigint[],integer[],text[],bigint[],integer[],text[],bigint[],boolean[],text[],bigint[],integer[],text): default (PUBLIC=EXECUTE owner=EXECUTE)
 -- function pgbus.skip_dead_head(text,text): owner=EXECUTE
 -- function pgbus.skip_dead_head_unlocked(text,text): default (PUBLIC=EXECUTE owner=EXECUTE)
+-- function pgbus.skip_dead_head_unlocked(text,text,text): default (PUBLIC=EXECUTE owner=EXECUTE)
+-- function pgbus.skip_seen_head(text,text,text): owner=EXECUTE
 -- function pgbus.snapshot_of_others(): PUBLIC=EXECUTE owner=EXECUTE
 -- function pgbus.subscriptions_matching(text): default (PUBLIC=EXECUTE owner=EXECUTE)
 -- function pgbus.sweep(bigint,integer,bigint): owner=EXECUTE

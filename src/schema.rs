@@ -174,6 +174,11 @@ pub static MIGRATIONS: &[Migration] = &[
         name: "pause",
         sql: include_str!("../sql/0028_pause.sql"),
     },
+    Migration {
+        version: 29,
+        name: "seen_heads",
+        sql: include_str!("../sql/0029_seen_heads.sql"),
+    },
 ];
 
 /// The oldest PostgreSQL pgbus supports, as a `server_version_num` (13.0): [`migrate`]

@@ -792,12 +792,14 @@ const OPERATOR: &[&str] = &[
     "pause_subscription() EXECUTE",
     "purge_dead() EXECUTE",
     "redrive_head() EXECUTE",
+    "redrive_seen_head() EXECUTE",
     "replay() EXECUTE",
     "resume_subscription() EXECUTE",
     "retry_dead() EXECUTE",
     "schema USAGE",
     "settings SELECT",
     "skip_dead_head() EXECUTE",
+    "skip_seen_head() EXECUTE",
     "subscription_patterns SELECT",
     "subscriptions SELECT",
     "try_configure_subscription() EXECUTE",
@@ -1056,6 +1058,16 @@ async fn consumers_and_publishers_cannot_operate_nor_lock_the_bus() {
     needs(pgbus::ordering::redrive_head(c, "o", "k1").await, op, role);
     needs(pgbus::ordering::skip_head(c, "o", "k2").await, op, role);
     needs(pgbus::admin::pause_subscription(c, "u").await, op, role);
+    needs(
+        pgbus::ordering::skip_seen_head(c, "o", "k2", "o3").await,
+        op,
+        role,
+    );
+    needs(
+        pgbus::ordering::redrive_seen_head(c, "o", "k1", "o1").await,
+        op,
+        role,
+    );
     needs(pgbus::admin::resume_subscription(c, "u").await, op, role);
     needs(
         pgbus::admin::drop_subscription(c, "u", true).await,

@@ -1011,6 +1011,19 @@ async fn keys_lists_a_blocked_key_and_skip_lets_it_go_on() {
     assert_eq!(listed[0]["waiting"], 1, "{listed}");
     let out = run(pgbus_on(&db), &["status", "--json"]).await.ok();
     assert_eq!(out.json()["subscriptions"][0]["blocked_keys"], 1);
+    // Bound to a head that is not the key's: nothing is skipped, and the error names it.
+    let head = listed[0]["event_id"].as_str().unwrap().to_owned();
+    let out = run(
+        pgbus_on(&db),
+        &["keys", "skip", "o", "order:1", "--head", "not-the-head"],
+    )
+    .await;
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(
+        out.stderr
+            .contains(&format!("its head is {head} (dead); nothing was done")),
+        "{out:?}"
+    );
     let out = run(pgbus_on(&db), &["keys", "skip", "o", "order:1"])
         .await
         .ok();
@@ -1024,6 +1037,14 @@ async fn keys_lists_a_blocked_key_and_skip_lets_it_go_on() {
     .await;
     let out = run(pgbus_on(&db), &["keys", "skip", "o", "order:1"]).await;
     assert_eq!(out.code, 1, "{out:?}");
+    // The head listed earlier was skipped: a redrive bound to it changes nothing.
+    let out = run(
+        pgbus_on(&db),
+        &["keys", "redrive", "o", "order:1", "--head", &head],
+    )
+    .await;
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stderr.contains("it has no head"), "{out:?}");
     assert_eq!(consumer.terminate().await, 0);
 }
 

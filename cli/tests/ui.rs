@@ -274,6 +274,7 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
 
     // A blocked key, skipped by a click: what waited behind it is delivered.
     let bad = Event::new("ledger.bad", json!({})).aggregate("acct", "x");
+    let bad_id = bad.id.clone();
     let behind = Event::new("ledger.ok", json!({ "after": "bad" })).aggregate("acct", "x");
     let behind_id = behind.id.clone();
     pgbus::publish_batch(&client, &[bad, behind]).await.unwrap();
@@ -311,7 +312,40 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
     let done = after_action(&browser).await;
     assert_eq!(
         done.text().await.unwrap(),
-        "skipped the dead head of key acct:x"
+        format!(
+            "skipped the dead head of key acct:x (event {bad_id}); event {behind_id} is its head now"
+        )
+    );
+    // The same Skip sent again (the form resubmitted): the head it showed is gone, so
+    // nothing is skipped, and the answer says why.
+    let token = csrf_cookie(&ui, &[]).await;
+    let cookie = format!("pgbus_csrf={token}");
+    let origin = format!("http://{}", ui.addr);
+    let again = http(
+        ui.addr,
+        "POST",
+        "/subscriptions/ledger/keys/skip",
+        &[("Cookie", &cookie), ("Origin", &origin)],
+        &format!("csrf={token}&key=acct%3Ax&event_id={bad_id}"),
+    )
+    .await;
+    assert_eq!(again.status, 409, "{again:?}");
+    assert!(
+        again
+            .body
+            .contains("key acct:x changed since you loaded the page"),
+        "{}",
+        again.body
+    );
+    assert_eq!(
+        common::count(
+            &client,
+            "SELECT count(*) FROM pgbus.deliveries WHERE subscription = 'ledger' \
+             AND status = 'dead' AND NOT is_head"
+        )
+        .await,
+        1,
+        "only the head the page showed was skipped"
     );
     wait_page(
         &browser,

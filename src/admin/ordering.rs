@@ -198,3 +198,114 @@ pub async fn skip_head<C: Executor + ?Sized>(
     let rows = needs_grant(client, "skipping a key's dead head", Grant::Operator, rows).await?;
     Ok(!rows.is_empty())
 }
+
+/// What [`skip_seen_head`] or [`redrive_seen_head`] found: the action done, or the key's
+/// head no longer what the caller saw.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum SeenHead {
+    /// The key's head was the event seen, in a state the action applies to, and the
+    /// action was done.
+    Done {
+        /// The event id of the key's next delivery, made its head by a skip (`None`: a
+        /// redrive, or nothing waited behind the skipped head).
+        promoted: Option<String>,
+    },
+    /// Nothing was done: the key's head is not (or no longer) the event seen, or it is
+    /// but not in a state the action applies to (a skip needs it dead; a redrive, dead
+    /// or pending).
+    Changed {
+        /// The event id of the key's head now (`None`: the key has no head).
+        head: Option<String>,
+        /// Its state: `pending`, `processing` or `dead`.
+        status: Option<String>,
+    },
+}
+
+/// Runs one of the `seen` head statements (`$1` subscription, `$2` key, `$3` the head's
+/// event id as seen) and returns its row.
+async fn on_seen_head<C: Executor + ?Sized>(
+    client: &C,
+    statement: &str,
+    action: &'static str,
+    [subscription, key, event_id]: [&str; 3],
+) -> Result<tokio_postgres::Row> {
+    let params: [(&(dyn ToSql + Sync), Type); 3] = [
+        (&subscription, Type::TEXT),
+        (&key, Type::TEXT),
+        (&event_id, Type::TEXT),
+    ];
+    let rows = client
+        .client()
+        .query_typed(statement, &params)
+        .await
+        .map_err(crate::Error::from);
+    let mut rows = needs_grant(client, action, Grant::Operator, rows).await?;
+    rows.pop()
+        .ok_or(crate::Error::Unexpected("a head statement returned no row"))
+}
+
+/// The [`SeenHead::Changed`] of a `seen` head statement's row.
+fn changed(row: &tokio_postgres::Row) -> Result<SeenHead> {
+    Ok(SeenHead::Changed {
+        head: row.try_get("head")?,
+        status: row.try_get("head_status")?,
+    })
+}
+
+/// [`skip_head`], bound to the head the caller saw: skips the key's dead head only if it
+/// is the event `event_id`, and otherwise changes nothing and says what the head is now.
+/// A form sent again, or from a page loaded before someone else acted on the key, so
+/// never skips a head its operator did not see.
+///
+/// # Errors
+///
+/// As [`skip_head`].
+pub async fn skip_seen_head<C: Executor + ?Sized>(
+    client: &C,
+    subscription: &str,
+    key: &str,
+    event_id: &str,
+) -> Result<SeenHead> {
+    let row = on_seen_head(
+        client,
+        sql::SKIP_SEEN_HEAD,
+        "skipping a key's dead head",
+        [subscription, key, event_id],
+    )
+    .await?;
+    match row.try_get::<_, Option<String>>("skipped")? {
+        Some(_) => Ok(SeenHead::Done {
+            promoted: row.try_get("promoted")?,
+        }),
+        None => changed(&row),
+    }
+}
+
+/// [`redrive_head`], bound to the head the caller saw: redrives the key's head only if
+/// it is the event `event_id` and dead or pending, and otherwise changes nothing and says
+/// what the head is now.
+///
+/// # Errors
+///
+/// As [`redrive_head`].
+pub async fn redrive_seen_head<C: Executor + ?Sized>(
+    client: &C,
+    subscription: &str,
+    key: &str,
+    event_id: &str,
+) -> Result<SeenHead> {
+    let row = on_seen_head(
+        client,
+        sql::REDRIVE_SEEN_HEAD,
+        "redriving a key's head",
+        [subscription, key, event_id],
+    )
+    .await?;
+    if row.try_get::<_, i64>("redriven")? > 0 {
+        Ok(SeenHead::Done { promoted: None })
+    } else {
+        changed(&row)
+    }
+}

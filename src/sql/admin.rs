@@ -371,6 +371,20 @@ pub const REDRIVE_HEAD: &str = "SELECT redriven, woke FROM pgbus.redrive_head($1
 /// there was a dead head to skip.
 pub const SKIP_HEAD: &str = "SELECT skipped FROM pgbus.skip_dead_head($1, $2)";
 
+/// Skips a key's dead head if it is the event `$3 text` (by id), as [`SKIP_HEAD`] does
+/// (`pgbus.skip_seen_head`, migration 29). Parameters: `$1 text` subscription, `$2 text`
+/// key, `$3 text` the head's event id as the caller saw it. Returns one row: `skipped`
+/// and `promoted` (event ids; NULL when nothing was done), `head` and `head_status`, the
+/// key's head after the call (NULL: none).
+pub const SKIP_SEEN_HEAD: &str =
+    "SELECT skipped, promoted, head, head_status FROM pgbus.skip_seen_head($1, $2, $3)";
+
+/// Redrives a key's head if it is the event `$3 text` and dead or pending, as
+/// [`REDRIVE_HEAD`] does (`pgbus.redrive_seen_head`, migration 29). Returns one row:
+/// `redriven` (0 or 1), `head` and `head_status` (the key's head after the call).
+pub const REDRIVE_SEEN_HEAD: &str =
+    "SELECT redriven, head, head_status FROM pgbus.redrive_seen_head($1, $2, $3)";
+
 /// Pauses a subscription (migration 28): its claims hand out nothing until it is resumed;
 /// deliveries are still made. Parameter `$1 text`: the name. Returns one row: `known`
 /// (whether the subscription exists), `since` (when it was paused, by this call or an

@@ -24,23 +24,29 @@ Examples:
     /// Retry a key's head now: a dead head gets its attempts back, a head backing off is
     /// due at once. The key resumes in order.
     #[command(
-        after_help = "Example:\n  pgbus keys redrive orders-view order:42\n\nNeeds the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE'))."
+        after_help = "Examples:\n  pgbus keys redrive orders-view order:42\n  pgbus keys redrive orders-view order:42 --head order-42-shipped\n\nWith --head, only that event (as `keys list` showed it) is redriven: if the key's head\nis another now, nothing changes and the command fails naming it.\n\nNeeds the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE'))."
     )]
     Redrive {
         /// The subscription.
         subscription: String,
         /// The ordering key.
         key: String,
+        /// Act only if the key's head is this event (its id).
+        #[arg(long)]
+        head: Option<String>,
     },
     /// Set a key's dead head aside (it stays in `pgbus dead list`) and let the key go on.
     #[command(
-        after_help = "Example:\n  pgbus keys skip orders-view order:42\n\nNeeds the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE'))."
+        after_help = "Examples:\n  pgbus keys skip orders-view order:42\n  pgbus keys skip orders-view order:42 --head order-42-shipped\n\nWith --head, only that event (as `keys list` showed it) is skipped: if the key's head is\nanother now, or no longer dead, nothing changes and the command fails naming it.\n\nNeeds the operator grant (as the schema's owner: SELECT pgbus.grant_operator('ROLE'))."
     )]
     Skip {
         /// The subscription.
         subscription: String,
         /// The ordering key.
         key: String,
+        /// Act only if the key's dead head is this event (its id).
+        #[arg(long)]
+        head: Option<String>,
     },
 }
 
@@ -100,7 +106,29 @@ pub(crate) async fn keys(command: KeysCommand, url: Option<&str>) -> Result<(), 
             }
             Ok(())
         }
-        KeysCommand::Redrive { subscription, key } => {
+        KeysCommand::Redrive {
+            subscription,
+            key,
+            head: Some(seen),
+        } => {
+            let outcome =
+                pgbus::ordering::redrive_seen_head(&client, &subscription, &key, &seen).await?;
+            seen_head(outcome, "redriven", &subscription, &key, &seen)
+        }
+        KeysCommand::Skip {
+            subscription,
+            key,
+            head: Some(seen),
+        } => {
+            let outcome =
+                pgbus::ordering::skip_seen_head(&client, &subscription, &key, &seen).await?;
+            seen_head(outcome, "skipped", &subscription, &key, &seen)
+        }
+        KeysCommand::Redrive {
+            subscription,
+            key,
+            head: None,
+        } => {
             if pgbus::ordering::redrive_head(&client, &subscription, &key).await? {
                 outln!("redriven: {subscription} {key}")?;
                 Ok(())
@@ -110,7 +138,11 @@ pub(crate) async fn keys(command: KeysCommand, url: Option<&str>) -> Result<(), 
                 )))
             }
         }
-        KeysCommand::Skip { subscription, key } => {
+        KeysCommand::Skip {
+            subscription,
+            key,
+            head: None,
+        } => {
             if pgbus::ordering::skip_head(&client, &subscription, &key).await? {
                 outln!("skipped: {subscription} {key}")?;
                 Ok(())
@@ -120,5 +152,35 @@ pub(crate) async fn keys(command: KeysCommand, url: Option<&str>) -> Result<(), 
                 )))
             }
         }
+    }
+}
+
+/// The answer to `keys redrive|skip --head`: done, or the head it named is not the key's
+/// head (in the state the action needs) any more, and nothing was done.
+fn seen_head(
+    outcome: pgbus::ordering::SeenHead,
+    done: &str,
+    subscription: &str,
+    key: &str,
+    seen: &str,
+) -> Result<(), Failure> {
+    match outcome {
+        pgbus::ordering::SeenHead::Done { promoted } => match promoted {
+            Some(next) => outln!("{done}: {subscription} {key} ({seen}); {next} is its head now"),
+            None => outln!("{done}: {subscription} {key} ({seen})"),
+        },
+        pgbus::ordering::SeenHead::Changed { head, status } => {
+            let now = match (head, status) {
+                (Some(head), Some(status)) if head == seen => format!("{head} is {status}"),
+                (Some(head), Some(status)) => format!("its head is {head} ({status})"),
+                _ => "it has no head".to_owned(),
+            };
+            Err(super::failed(format!(
+                "error: key {key:?} of {subscription:?} is not as given: {now}; nothing was done"
+            )))
+        }
+        _ => Err(super::failed(format!(
+            "error: unexpected answer for key {key:?} of {subscription:?}"
+        ))),
     }
 }

@@ -337,6 +337,9 @@ enum UiError {
     NotFound(String),
     BadRequest(String),
     Forbidden(String),
+    /// An action bound to what the page showed, refused because the database has changed
+    /// since (409): nothing was done.
+    Conflict(String),
 }
 
 impl From<pgbus::Error> for UiError {
@@ -368,6 +371,7 @@ impl UiError {
             UiError::NotFound(_) => StatusCode::NOT_FOUND,
             UiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             UiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            UiError::Conflict(_) => StatusCode::CONFLICT,
         }
     }
 
@@ -376,7 +380,8 @@ impl UiError {
             UiError::Database(m)
             | UiError::NotFound(m)
             | UiError::BadRequest(m)
-            | UiError::Forbidden(m) => m,
+            | UiError::Forbidden(m)
+            | UiError::Conflict(m) => m,
         }
     }
 
@@ -542,8 +547,14 @@ fn router(app: Shared) -> Router {
         .route("/subscriptions/{name}/retry", post(retry_action))
         .route("/subscriptions/{name}/purge", post(purge_action))
         .route("/subscriptions/{name}/replay", post(replay_action))
-        .route("/subscriptions/{name}/keys/redrive", post(redrive_action))
-        .route("/subscriptions/{name}/keys/skip", post(skip_action))
+        .route(
+            "/subscriptions/{name}/keys/redrive",
+            post(|State(app), Path(name), form| head_action(app, name, form, false)),
+        )
+        .route(
+            "/subscriptions/{name}/keys/skip",
+            post(|State(app), Path(name), form| head_action(app, name, form, true)),
+        )
         .route(
             "/subscriptions/{name}/pause",
             post(|state, path, form| set_paused(state, path, form, true)),
@@ -1136,7 +1147,8 @@ struct ActionForm {
     /// The CSRF token (absent: empty, refused).
     #[serde(default)]
     csrf: String,
-    /// Retry: one dead letter, by its event's id (absent: every dead letter).
+    /// Retry: one dead letter, by its event's id (absent: every dead letter). Redrive and
+    /// skip: the event id of the key's head as the page showed it.
     event_id: Option<String>,
     /// Redrive and skip: the key.
     key: Option<String>,
@@ -1300,50 +1312,59 @@ fn parse_since(text: &str) -> Result<DateTime<Utc>, String> {
     ))
 }
 
-async fn redrive_action(
-    State(app): State<Shared>,
-    Path(name): Path<String>,
-    form: Result<Form<ActionForm>, FormRejection>,
-) -> Response {
-    let form = match form {
-        Ok(Form(form)) => form,
-        Err(e) => return form_refused(&app, &e),
+/// The answer to a redrive or skip whose key's head is no longer the one the page showed.
+fn head_changed(key: &str, seen: &str, head: Option<String>, status: Option<String>) -> UiError {
+    let now = match (head, status) {
+        (Some(head), Some(status)) if head == seen => format!("its head {head} is {status} now"),
+        (Some(head), Some(status)) => format!("its head is now {head} ({status}), not {seen}"),
+        _ => "it has no head now".to_owned(),
     };
-    let Some(key) = form.key.clone() else {
-        return UiError::BadRequest("redrive needs a key".into()).page(&app);
-    };
-    let sub = name.clone();
-    act(&app, &name, &form, |client| async move {
-        let done = pgbus::ordering::redrive_head(&**client, &sub, &key).await?;
-        Ok(if done {
-            format!("redrove the head of key {key}")
-        } else {
-            format!("key {key} has no head to redrive")
-        })
-    })
-    .await
+    UiError::Conflict(format!(
+        "key {key} changed since you loaded the page: {now}; nothing was done"
+    ))
 }
 
-async fn skip_action(
-    State(app): State<Shared>,
-    Path(name): Path<String>,
+/// Redrive (`skip` false) or skip the head of a key, the head the page showed: the form
+/// carries its event id, and a head that has changed since is left alone (409).
+async fn head_action(
+    app: Shared,
+    name: String,
     form: Result<Form<ActionForm>, FormRejection>,
+    skip: bool,
 ) -> Response {
     let form = match form {
         Ok(Form(form)) => form,
         Err(e) => return form_refused(&app, &e),
     };
-    let Some(key) = form.key.clone() else {
-        return UiError::BadRequest("skip needs a key".into()).page(&app);
+    let verb = if skip { "skip" } else { "redrive" };
+    let (Some(key), Some(seen)) = (form.key.clone(), form.event_id.clone()) else {
+        return UiError::BadRequest(format!(
+            "{verb} needs the key and the event id of the head the page showed: reload the page"
+        ))
+        .page(&app);
     };
     let sub = name.clone();
     act(&app, &name, &form, |client| async move {
-        let done = pgbus::ordering::skip_head(&**client, &sub, &key).await?;
-        Ok(if done {
-            format!("skipped the dead head of key {key}")
+        let outcome = if skip {
+            pgbus::ordering::skip_seen_head(&**client, &sub, &key, &seen).await?
         } else {
-            format!("key {key} has no dead head to skip")
-        })
+            pgbus::ordering::redrive_seen_head(&**client, &sub, &key, &seen).await?
+        };
+        match outcome {
+            pgbus::ordering::SeenHead::Done { promoted } => Ok(match (skip, promoted) {
+                (true, Some(next)) => format!(
+                    "skipped the dead head of key {key} (event {seen}); event {next} is its head now"
+                ),
+                (true, None) => format!(
+                    "skipped the dead head of key {key} (event {seen}); nothing waits behind it"
+                ),
+                (false, _) => format!("redrove the head of key {key} (event {seen})"),
+            }),
+            pgbus::ordering::SeenHead::Changed { head, status } => {
+                Err(head_changed(&key, &seen, head, status))
+            }
+            _ => Err(UiError::Database(format!("unexpected answer to the {verb} of key {key}"))),
+        }
     })
     .await
 }

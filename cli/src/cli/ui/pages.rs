@@ -308,11 +308,13 @@ pub(super) fn subscription(
                                         form.inline method="post" action=(format!("{href}/keys/redrive")) {
                                             (csrf_field(csrf))
                                             input type="hidden" name="key" value=(k.key);
+                                            input type="hidden" name="event_id" value=(k.event_id);
                                             button.redrive type="submit" { "Redrive" }
                                         }
                                         form.inline method="post" action=(format!("{href}/keys/skip")) {
                                             (csrf_field(csrf))
                                             input type="hidden" name="key" value=(k.key);
+                                            input type="hidden" name="event_id" value=(k.event_id);
                                             button.skip type="submit" { "Skip" }
                                         }
                                     }
