@@ -981,3 +981,75 @@ async fn pausing_from_the_dashboard_holds_running_consumers_and_resuming_deliver
     wait_overview(&browser, "mailer", "health", "healthy").await;
     browser.close().await.unwrap();
 }
+
+/// Every one of 120 dead letters is reachable from the subscription's page by following
+/// its "next" links, each once, oldest first, with when it died; a bad place in the
+/// listing is refused (400).
+#[tokio::test]
+async fn every_dead_letter_is_reached_by_following_the_pages() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    pgbus::admin::register_subscription(&client, "jobs", &["j.*"], 1)
+        .await
+        .unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.events (id, event_name, payload) \
+             SELECT 'job-' || lpad(g::text, 3, '0'), 'j.x', '{}' FROM generate_series(1, 120) AS g",
+        )
+        .await
+        .unwrap();
+    common::fan_out(&client).await;
+    client
+        .batch_execute(
+            "UPDATE pgbus.deliveries SET status = 'dead', attempts = 1, last_error = 'boom'; \
+             INSERT INTO pgbus.delivery_failures (subscription, event_seq, attempt, error, worker) \
+             SELECT subscription, event_seq, 1, 'boom', 'w' FROM pgbus.deliveries",
+        )
+        .await
+        .unwrap();
+    let ui = Ui::start(&db, &[], &[]).await;
+    let id_marker = "data-event-id=\"";
+    let mut seen: Vec<String> = Vec::new();
+    let mut path = "/subscriptions/jobs".to_owned();
+    let mut pages = 0;
+    loop {
+        let page = http(ui.addr, "GET", &path, &[], "").await;
+        assert_eq!(page.status, 200, "{path}: {page:?}");
+        pages += 1;
+        assert!(pages <= 3, "more pages than 120 dead letters need");
+        let body = &page.body;
+        let on_page: Vec<String> = body
+            .match_indices(&format!("class=\"dead-letter\" {id_marker}"))
+            .map(|(i, m)| {
+                let rest = &body[i + m.len()..];
+                rest[..rest.find('"').unwrap()].to_owned()
+            })
+            .collect();
+        assert!(!on_page.is_empty(), "{path} lists no dead letter");
+        assert!(
+            body.contains("class=\"died-at\""),
+            "{path} says not when they died"
+        );
+        seen.extend(on_page);
+        let Some(at) = body.find("id=\"dead-next\" href=\"") else {
+            break;
+        };
+        let rest = &body[at + "id=\"dead-next\" href=\"".len()..];
+        let href = rest[..rest.find('"').unwrap()].replace("&amp;", "&");
+        // A browser does not send the fragment.
+        path = href.split('#').next().unwrap().to_owned();
+    }
+    let expected: Vec<String> = (1..=120).map(|i| format!("job-{i:03}")).collect();
+    assert_eq!(seen, expected, "each dead letter once, oldest first");
+    assert_eq!(pages, 3);
+    let bad = http(
+        ui.addr,
+        "GET",
+        "/subscriptions/jobs?after=nonsense",
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(bad.status, 400, "{bad:?}");
+}

@@ -954,13 +954,27 @@ struct SubscriptionView {
     count_cap: i64,
     dead_letters: Vec<DeadLetterView>,
     dead_letters_total: i64,
+    /// The page of dead letters shown starts after this one (`SEQ/SUBSCRIPTION`; `None`:
+    /// the first page).
+    dead_letters_after: Option<String>,
+    /// The cursor of the next page, when there are more dead letters after these.
+    dead_letters_next: Option<String>,
     blocked_keys: Vec<pgbus::ordering::BlockedKey>,
     /// The first deliveries waiting behind each blocked key, by key.
     waiting: Vec<pgbus::ordering::WaitingDelivery>,
     consumers: Vec<admin::ConsumerInfo>,
 }
 
-async fn read_subscription(app: &App, name: &str) -> Result<SubscriptionView, UiError> {
+/// A subscription's page: its dead letters from `after` on (`SEQ/SUBSCRIPTION`, as the
+/// page's "next" link carries it; `None`: from the oldest).
+async fn read_subscription(
+    app: &App,
+    name: &str,
+    after: Option<&str>,
+) -> Result<SubscriptionView, UiError> {
+    let cursor = after
+        .map(str::parse::<admin::DeadLetterCursor>)
+        .transpose()?;
     let client = app.pool.get().await?;
     let client: &tokio_postgres::Client = &client;
     let settings = admin::subscription_settings(client, name)
@@ -968,7 +982,15 @@ async fn read_subscription(app: &App, name: &str) -> Result<SubscriptionView, Ui
         .ok_or_else(|| UiError::NotFound(format!("no subscription {name:?}")))?;
     let backlog = admin::backlog(client, Some(&[name])).await?.pop();
     let filter = DeadLetterFilter::all().subscription(name);
-    let dead = admin::dead_letters(client, &filter, DEAD_LETTERS_SHOWN).await?;
+    // One more than shown: whether a next page exists, without a count.
+    let mut dead =
+        admin::dead_letters_after(client, &filter, DEAD_LETTERS_SHOWN + 1, cursor.as_ref()).await?;
+    let dead_letters_next = if dead.len() as i64 > DEAD_LETTERS_SHOWN {
+        dead.truncate(DEAD_LETTERS_SHOWN as usize);
+        dead.last().map(|d| d.cursor().to_string())
+    } else {
+        None
+    };
     let seqs: Vec<i64> = dead.iter().map(|d| d.event_seq).collect();
     let mut failures = admin::failure_history(client, name, &seqs, FAILURES_SHOWN).await?;
     let dead_letters_total = backlog.as_ref().map_or(0, |b| b.dead);
@@ -1000,17 +1022,22 @@ async fn read_subscription(app: &App, name: &str) -> Result<SubscriptionView, Ui
         count_cap: pgbus::metrics::GAUGE_COUNT_CAP,
         dead_letters,
         dead_letters_total,
+        dead_letters_after: cursor.map(|c| c.to_string()),
+        dead_letters_next,
         blocked_keys,
         waiting,
         consumers,
     })
 }
 
-/// What a page's address may carry after an action: the one-time id of its outcome,
-/// which the server keeps (a link cannot make the page claim anything).
+/// What a subscription page's address may carry: after an action, the one-time id of
+/// its outcome, which the server keeps (a link cannot make the page claim anything); and
+/// the place in its dead letters to list from.
 #[derive(Debug, Deserialize)]
 struct Flash {
     done: Option<String>,
+    /// The dead letters after this one (`SEQ/SUBSCRIPTION`).
+    after: Option<String>,
 }
 
 async fn subscription_page(
@@ -1024,7 +1051,7 @@ async fn subscription_page(
             .unwrap_or_else(|e| e.into_inner())
             .take(&id, &name)
     });
-    match read_subscription(&app, &name).await {
+    match read_subscription(&app, &name, flash.after.as_deref()).await {
         Ok(view) => html(pages::subscription(
             app.allow_actions,
             &app.csrf,
@@ -1035,8 +1062,12 @@ async fn subscription_page(
     }
 }
 
-async fn subscription_api(State(app): State<Shared>, Path(name): Path<String>) -> Response {
-    match read_subscription(&app, &name).await {
+async fn subscription_api(
+    State(app): State<Shared>,
+    Path(name): Path<String>,
+    Query(page): Query<Flash>,
+) -> Response {
+    match read_subscription(&app, &name, page.after.as_deref()).await {
         Ok(view) => json(StatusCode::OK, &view),
         Err(e) => e.json(),
     }

@@ -252,19 +252,23 @@ pub(super) fn subscription(
                     }
                 }
             }
-            h2 { "Dead letters (" (count(view.dead_letters_total, cap)) ")" }
+            h2 #dead-letters { "Dead letters (" (count(view.dead_letters_total, cap)) ")" }
+            @if view.dead_letters_after.is_some() {
+                p.pages {
+                    "Oldest first, from after " (Shown(view.dead_letters_after.as_deref().unwrap_or(""))) " · "
+                    a #dead-first href=(format!("{href}#dead-letters")) { "the oldest" }
+                }
+            }
             @if view.dead_letters.is_empty() {
                 p.empty { "No dead letter." }
             } @else {
-                @if (view.dead_letters.len() as i64) < view.dead_letters_total {
-                    p { "The oldest " (view.dead_letters.len()) " are shown." }
-                }
                 @for d in &view.dead_letters {
                     details.dead-letter data-event-id=[d.dead.event_id.as_deref()] {
                         summary {
                             span.event-name { (Shown(d.dead.event_name.as_deref().unwrap_or("(event gone)"))) }
                             " · " span.event-id { (Shown(d.dead.event_id.as_deref().unwrap_or("–"))) }
                             " · " (d.dead.attempts) " attempts · "
+                            @if let Some(at) = &d.dead.failed_at { "died " span.died-at { (time(at)) } " · " }
                             span.last-error { (Shown(d.dead.last_error.as_deref().unwrap_or(""))) }
                         }
                         @if let Some(id) = &d.dead.event_id {
@@ -279,6 +283,13 @@ pub(super) fn subscription(
                         }
                         h3 { "Failure history" }
                         (failures_table(&d.failures))
+                    }
+                }
+            }
+            @if let Some(next) = &view.dead_letters_next {
+                p.pages {
+                    a #dead-next href=(format!("{href}?after={}#dead-letters", percent(next))) {
+                        "The next " (super::DEAD_LETTERS_SHOWN) " dead letters →"
                     }
                 }
             }
