@@ -135,6 +135,7 @@ async fn send<'c, E: PgExecutor<'c>>(
 /// the bus retries the delivery after its backoff.
 ///
 /// ```no_run
+/// # #[cfg(not(feature = "sqlx"))] extern crate sqlx08 as sqlx; // sqlx 0.8 alone: its name
 /// use pgbus::{Context, Event, HandlerError};
 ///
 /// async fn project(pool: sqlx::PgPool, event: Event, cx: Context) -> Result<(), HandlerError> {
@@ -173,6 +174,7 @@ pub async fn ack_in(tx: &mut PgConnection, cx: &Context) -> Result<()> {
 /// again.
 ///
 /// ```no_run
+/// # #[cfg(not(feature = "sqlx"))] extern crate sqlx08 as sqlx; // sqlx 0.8 alone: its name
 /// # async fn f(pool: sqlx::PgPool, d: pgbus::Delivery) -> Result<(), Box<dyn std::error::Error>> {
 /// let mut tx = pool.begin().await?;
 /// sqlx::query("INSERT INTO audit (event_id) VALUES ($1)")
@@ -226,6 +228,7 @@ async fn run_ack_in(
 /// not the server's notices, which sqlx would log at INFO.
 ///
 /// ```no_run
+/// # #[cfg(not(feature = "sqlx"))] extern crate sqlx08 as sqlx; // sqlx 0.8 alone: its name
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), pgbus::Error> {
 /// let applied = pgbus::sqlx::migrate(&pool).await?;
 /// println!("{} migrations applied", applied.len());
