@@ -148,6 +148,30 @@ async fn the_dashboard_queries_at_a_large_backlog() {
         admin::dead_letters(c, &filter, 50)
     })
     .await;
+    let second = admin::dead_letters(c, &filter, 50).await.unwrap()[49].cursor();
+    time(
+        "subscription: dead_letters_after (the second page of 50)",
+        || admin::dead_letters_after(c, &filter, 50, Some(&second)),
+    )
+    .await;
+    time(
+        "subscription: pending_deliveries (the first page of 51)",
+        || admin::pending_deliveries(c, "bench", None, 51),
+    )
+    .await;
+    // bench_ordered's events come after bench's in the log: its first page is in the
+    // middle of the log.
+    time(
+        "subscription: pending_deliveries (a page of 51 from the middle of the log)",
+        || admin::pending_deliveries(c, "bench_ordered", None, 51),
+    )
+    .await;
+    let ordered = DeadLetterFilter::all().subscription("bench_ordered");
+    time(
+        "subscription: dead_letters (50, from the middle of the log)",
+        || admin::dead_letters(c, &ordered, 50),
+    )
+    .await;
     let seqs: Vec<i64> = (1..=50).collect();
     time("subscription: failure_history (50 dead letters)", || {
         admin::failure_history(c, "bench", &seqs, 2000)
@@ -179,6 +203,21 @@ async fn the_dashboard_queries_at_a_large_backlog() {
     // What the reads return, at any size of backlog.
     assert_eq!(admin::consumers(c).await.unwrap().len(), 2);
     assert_eq!(admin::dead_letters(c, &filter, 50).await.unwrap().len(), 50);
+    let first = admin::pending_deliveries(c, "bench", None, 51)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 51, "a full page of the backlog");
+    assert!(
+        first.windows(2).all(|w| w[0].event_seq < w[1].event_seq),
+        "in event order"
+    );
+    let next = admin::pending_deliveries(c, "bench", Some(first[50].event_seq), 51)
+        .await
+        .unwrap();
+    assert!(
+        next[0].event_seq > first[50].event_seq,
+        "the next page follows"
+    );
     let history = admin::failure_history(c, "bench", &seqs, 2000)
         .await
         .unwrap();

@@ -1053,3 +1053,74 @@ async fn every_dead_letter_is_reached_by_following_the_pages() {
     .await;
     assert_eq!(bad.status, 400, "{bad:?}");
 }
+
+/// Every one of 120 pending deliveries is reachable from the subscription's page by
+/// following its "next" links, each once, in event order, with its state: due,
+/// scheduled (a delayed event) or waiting behind its key's head (an ordered key).
+#[tokio::test]
+async fn every_pending_delivery_is_reached_by_following_the_pages() {
+    let db = common::test_db().await;
+    let client = db.connect().await;
+    pgbus::admin::register_subscription(&client, "jobs", &["j.*"], 25)
+        .await
+        .unwrap();
+    pgbus::ordering::set_ordering(&client, "jobs", true, pgbus::DeadHeadPolicy::Block)
+        .await
+        .unwrap();
+    // 118 due, unkeyed; then a key of two (its second waits); and one delayed.
+    client
+        .batch_execute(
+            "INSERT INTO pgbus.events (id, event_name, payload) \
+             SELECT 'job-' || lpad(g::text, 3, '0'), 'j.x', '{}' FROM generate_series(1, 117) AS g; \
+             INSERT INTO pgbus.events (id, event_name, payload, ordering_key) \
+             VALUES ('job-118', 'j.x', '{}', 'k'), ('job-119', 'j.x', '{}', 'k'); \
+             INSERT INTO pgbus.events (id, event_name, payload, available_at) \
+             VALUES ('job-120', 'j.x', '{}', now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    common::fan_out(&client).await;
+    let ui = Ui::start(&db, &[], &[]).await;
+    let marker = "class=\"pending\" data-event-id=\"";
+    let mut seen: Vec<(String, String)> = Vec::new();
+    let mut path = "/subscriptions/jobs".to_owned();
+    let mut pages = 0;
+    loop {
+        let page = http(ui.addr, "GET", &path, &[], "").await;
+        assert_eq!(page.status, 200, "{path}: {page:?}");
+        pages += 1;
+        assert!(pages <= 3, "more pages than 120 deliveries need");
+        let body = &page.body;
+        for (i, m) in body.match_indices(marker) {
+            let rest = &body[i + m.len()..];
+            let id = rest[..rest.find('"').unwrap()].to_owned();
+            let state_at = rest.find("data-state=\"").unwrap() + "data-state=\"".len();
+            let state = rest[state_at..state_at + rest[state_at..].find('"').unwrap()].to_owned();
+            seen.push((id, state));
+        }
+        let Some(at) = body.find("id=\"pending-next\" href=\"") else {
+            break;
+        };
+        let rest = &body[at + "id=\"pending-next\" href=\"".len()..];
+        let href = rest[..rest.find('"').unwrap()].replace("&amp;", "&");
+        path = href.split('#').next().unwrap().to_owned();
+    }
+    assert_eq!(pages, 3);
+    let ids: Vec<&str> = seen.iter().map(|(id, _)| id.as_str()).collect();
+    let expected: Vec<String> = (1..=120).map(|i| format!("job-{i:03}")).collect();
+    assert_eq!(ids, expected, "each pending delivery once, in event order");
+    let state = |id: &str| seen.iter().find(|(i, _)| i == id).unwrap().1.clone();
+    assert_eq!(state("job-001"), "due");
+    assert_eq!(state("job-118"), "due", "the key's head");
+    assert_eq!(state("job-119"), "waiting", "behind the key's head");
+    assert_eq!(state("job-120"), "scheduled");
+    let bad = http(
+        ui.addr,
+        "GET",
+        "/subscriptions/jobs?pending_after=nonsense",
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(bad.status, 400, "{bad:?}");
+}

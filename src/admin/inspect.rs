@@ -1,5 +1,6 @@
 //! The dashboard's reads (`pgbus ui`): what was delivered recently, a delivery's failure
-//! history, finding events, and one event's deliveries.
+//! history, a subscription's pending deliveries, finding events, and one event's
+//! deliveries.
 
 use std::time::Duration;
 
@@ -213,6 +214,67 @@ pub async fn event_deliveries<C: Executor + ?Sized>(
                 last_error: row.try_get("last_error")?,
                 ordering_key: row.try_get("ordering_key")?,
                 is_head: row.try_get("is_head")?,
+            })
+        })
+        .collect()
+}
+
+/// A pending delivery, from [`pending_deliveries`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct PendingDelivery {
+    /// The event's position in the log (the listing's order and its cursor).
+    pub event_seq: i64,
+    /// The event's id (`None` if the event is no longer in the log).
+    pub event_id: Option<String>,
+    /// The event's name (`None` if the event is no longer in the log).
+    pub event_name: Option<String>,
+    /// Attempts made so far.
+    pub attempts: i32,
+    /// When it is (or was) due.
+    pub available_at: DateTime<Utc>,
+    /// Its ordering key, in an ordered subscription.
+    pub ordering_key: Option<String>,
+    /// `due` (claimable now), `scheduled` (due later) or `waiting` (behind its key's
+    /// head).
+    pub state: String,
+}
+
+/// `subscription`'s pending deliveries in event order, after the event seq `after`
+/// (`None`: from the first), at most `limit`: a page of them, whose last one's
+/// `event_seq` is the next page's `after`. Each page costs its rows (and the deliveries
+/// in other states it steps over), whatever the backlog.
+///
+/// # Errors
+///
+/// [`Error::Database`] when the statement fails.
+pub async fn pending_deliveries<C: Executor + ?Sized>(
+    client: &C,
+    subscription: &str,
+    after: Option<i64>,
+    limit: i64,
+) -> Result<Vec<PendingDelivery>> {
+    let rows = client
+        .client()
+        .query_typed(
+            sql::PENDING_LIST,
+            &[
+                (&subscription, Type::TEXT),
+                (&after, Type::INT8),
+                (&limit, Type::INT8),
+            ],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(PendingDelivery {
+                event_seq: row.try_get("event_seq")?,
+                event_id: row.try_get("event_id")?,
+                event_name: row.try_get("event_name")?,
+                attempts: row.try_get("attempts")?,
+                available_at: row.try_get("available_at")?,
+                ordering_key: row.try_get("ordering_key")?,
+                state: row.try_get("state")?,
             })
         })
         .collect()

@@ -43,8 +43,8 @@ pub use dead_letters::{
     retry_dead_letters,
 };
 pub use inspect::{
-    EventDelivery, FailedAttempt, RecentlyDelivered, delivered_recently, event_deliveries,
-    failure_history, find_events,
+    EventDelivery, FailedAttempt, PendingDelivery, RecentlyDelivered, delivered_recently,
+    event_deliveries, failure_history, find_events, pending_deliveries,
 };
 pub use replay::{Replayed, replay};
 pub use status::{

@@ -140,23 +140,30 @@ pub const SUBSCRIPTION_EXISTS: &str =
 /// history).
 ///
 /// Index-backed and bounded: `deliveries_dead_idx` (one subscription) or
-/// `deliveries_dead_seq_idx` (all) in the listing's order, at most `$3` rows, each
-/// joined by key.
+/// `deliveries_dead_seq_idx` (all) in the listing's order, at most `$3` rows, then each
+/// row's event and last failure looked up by key (`OFFSET 0`: a probe per row, where a
+/// join may merge the page with the log from its first event).
 pub const DEAD_LIST: &str = "\
 SELECT d.subscription, d.event_seq, e.id AS event_id, e.event_name, d.attempts, d.last_error,
        f.failed_at
-FROM pgbus.deliveries AS d
-LEFT JOIN pgbus.events AS e ON e.seq = d.event_seq
+FROM (
+  SELECT d.subscription, d.event_seq, d.attempts, d.last_error
+  FROM pgbus.deliveries AS d
+  WHERE d.status = 'dead'
+    AND ($1::text IS NULL OR d.subscription = $1)
+    AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
+    AND ($4::int8 IS NULL OR (d.event_seq, d.subscription) > ($4, $5::text))
+  ORDER BY d.event_seq, d.subscription
+  LIMIT $3::int8
+) AS d
+LEFT JOIN LATERAL (
+  SELECT e.id, e.event_name FROM pgbus.events AS e WHERE e.seq = d.event_seq OFFSET 0
+) AS e ON true
 LEFT JOIN LATERAL (
   SELECT max(h.failed_at) AS failed_at FROM pgbus.delivery_failures AS h
   WHERE h.subscription = d.subscription AND h.event_seq = d.event_seq
 ) AS f ON true
-WHERE d.status = 'dead'
-  AND ($1::text IS NULL OR d.subscription = $1)
-  AND ($2::text IS NULL OR d.event_seq = (SELECT seq FROM pgbus.events WHERE id = $2))
-  AND ($4::int8 IS NULL OR (d.event_seq, d.subscription) > ($4, $5::text))
-ORDER BY d.event_seq, d.subscription
-LIMIT $3::int8";
+ORDER BY d.event_seq, d.subscription";
 
 /// Counts dead letters. Parameters as [`DEAD_LIST`] without the limit: `$1`
 /// subscription, `$2` event id, `$3`, `$4` only after this (event seq, subscription).

@@ -55,6 +55,8 @@ const THROUGHPUT_EVENTS: i64 = 2_000;
 
 /// How many dead letters a subscription's page lists.
 const DEAD_LETTERS_SHOWN: i64 = 50;
+/// Pending deliveries listed on a subscription's page at a time.
+const PENDING_SHOWN: i64 = 50;
 
 /// How many failed attempts a subscription's page shows in all.
 const FAILURES_SHOWN: i64 = 2000;
@@ -959,6 +961,12 @@ struct SubscriptionView {
     dead_letters_after: Option<String>,
     /// The cursor of the next page, when there are more dead letters after these.
     dead_letters_next: Option<String>,
+    /// A page of its pending deliveries, in event order.
+    pending: Vec<admin::PendingDelivery>,
+    /// The page starts after this event seq (`None`: the first page).
+    pending_after: Option<i64>,
+    /// The next page's start, when there are more pending deliveries after these.
+    pending_next: Option<i64>,
     blocked_keys: Vec<pgbus::ordering::BlockedKey>,
     /// The first deliveries waiting behind each blocked key, by key.
     waiting: Vec<pgbus::ordering::WaitingDelivery>,
@@ -971,6 +979,7 @@ async fn read_subscription(
     app: &App,
     name: &str,
     after: Option<&str>,
+    pending_after: Option<i64>,
 ) -> Result<SubscriptionView, UiError> {
     let cursor = after
         .map(str::parse::<admin::DeadLetterCursor>)
@@ -1007,6 +1016,14 @@ async fn read_subscription(
             }
         })
         .collect();
+    let mut pending =
+        admin::pending_deliveries(client, name, pending_after, PENDING_SHOWN + 1).await?;
+    let pending_next = if pending.len() as i64 > PENDING_SHOWN {
+        pending.truncate(PENDING_SHOWN as usize);
+        pending.last().map(|p| p.event_seq)
+    } else {
+        None
+    };
     let blocked_keys = pgbus::ordering::blocked_keys(client, Some(name)).await?;
     let keys: Vec<&str> = blocked_keys.iter().map(|k| k.key.as_str()).collect();
     let waiting = pgbus::ordering::waiting_behind(client, name, &keys, WAITING_SHOWN).await?;
@@ -1024,6 +1041,9 @@ async fn read_subscription(
         dead_letters_total,
         dead_letters_after: cursor.map(|c| c.to_string()),
         dead_letters_next,
+        pending,
+        pending_after,
+        pending_next,
         blocked_keys,
         waiting,
         consumers,
@@ -1038,6 +1058,8 @@ struct Flash {
     done: Option<String>,
     /// The dead letters after this one (`SEQ/SUBSCRIPTION`).
     after: Option<String>,
+    /// The pending deliveries after this event seq.
+    pending_after: Option<i64>,
 }
 
 async fn subscription_page(
@@ -1051,7 +1073,7 @@ async fn subscription_page(
             .unwrap_or_else(|e| e.into_inner())
             .take(&id, &name)
     });
-    match read_subscription(&app, &name, flash.after.as_deref()).await {
+    match read_subscription(&app, &name, flash.after.as_deref(), flash.pending_after).await {
         Ok(view) => html(pages::subscription(
             app.allow_actions,
             &app.csrf,
@@ -1067,7 +1089,7 @@ async fn subscription_api(
     Path(name): Path<String>,
     Query(page): Query<Flash>,
 ) -> Response {
-    match read_subscription(&app, &name, page.after.as_deref()).await {
+    match read_subscription(&app, &name, page.after.as_deref(), page.pending_after).await {
         Ok(view) => json(StatusCode::OK, &view),
         Err(e) => e.json(),
     }

@@ -252,6 +252,41 @@ pub(super) fn subscription(
                     }
                 }
             }
+            h2 #pending { "Pending deliveries" }
+            @if let Some(after) = view.pending_after {
+                p.pages {
+                    "In event order, from after event #" (after) " · "
+                    a #pending-first href=(format!("{href}#pending")) { "the first" }
+                }
+            }
+            @if view.pending.is_empty() {
+                p.empty { "No pending delivery." }
+            } @else {
+                table #pending-list {
+                    thead { tr { th { "Event" } th { "Name" } th { "State" } th { "Due" } th { "Attempts" } th { "Key" } } }
+                    tbody {
+                        @for p in &view.pending {
+                            tr.pending data-event-id=[p.event_id.as_deref()] data-state=(p.state) {
+                                td.event-id {
+                                    @if let Some(id) = &p.event_id { a href=(event_href(id)) { (Shown(id)) } } @else { "(event gone)" }
+                                }
+                                td { (Shown(p.event_name.as_deref().unwrap_or("–"))) }
+                                td.state { (p.state) }
+                                td { (time(&p.available_at)) }
+                                td { (p.attempts) }
+                                td.key { (Shown(p.ordering_key.as_deref().unwrap_or("–"))) }
+                            }
+                        }
+                    }
+                }
+            }
+            @if let Some(next) = view.pending_next {
+                p.pages {
+                    a #pending-next href=(format!("{href}?pending_after={next}#pending")) {
+                        "The next " (super::PENDING_SHOWN) " pending deliveries →"
+                    }
+                }
+            }
             h2 #dead-letters { "Dead letters (" (count(view.dead_letters_total, cap)) ")" }
             @if view.dead_letters_after.is_some() {
                 p.pages {
