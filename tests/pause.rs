@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::count;
+
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -13,10 +15,6 @@ use serde_json::json;
 use tokio_postgres::Client;
 
 const WAIT: Duration = Duration::from_secs(20);
-
-async fn count(client: &Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
-}
 
 /// Four events in one transaction: keys `k` (p1, p2, p4) and `j` (p3).
 async fn publish_four(client: &mut Client) {

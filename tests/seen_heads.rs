@@ -83,12 +83,13 @@ async fn a_skip_acts_only_on_the_head_that_was_seen() {
     blocked_key(&client).await;
 
     let before = deliveries(&client).await;
+    let refused = ordering::skip_seen_head(&client, "o", "k", "e2")
+        .await
+        .unwrap();
+    assert_eq!(refused, changed("e1", "dead"), "e2 is not the head");
     assert_eq!(
-        ordering::skip_seen_head(&client, "o", "k", "e2")
-            .await
-            .unwrap(),
-        changed("e1", "dead"),
-        "e2 is not the head"
+        refused.change_from("e2").as_deref(),
+        Some("its head is now e1 (dead), not e2")
     );
     assert_eq!(
         deliveries(&client).await,
@@ -117,11 +118,13 @@ async fn a_skip_acts_only_on_the_head_that_was_seen() {
     assert_eq!(deliveries(&client).await, before);
 
     // The head seen, but no longer dead (redriven by someone else): not skipped.
+    let refused = ordering::skip_seen_head(&client, "o", "k", "e2")
+        .await
+        .unwrap();
+    assert_eq!(refused, changed("e2", "pending"));
     assert_eq!(
-        ordering::skip_seen_head(&client, "o", "k", "e2")
-            .await
-            .unwrap(),
-        changed("e2", "pending")
+        refused.change_from("e2").as_deref(),
+        Some("its head e2 is pending now")
     );
     assert_eq!(deliveries(&client).await, before);
 }
@@ -171,13 +174,19 @@ async fn a_redrive_acts_only_on_the_head_that_was_seen() {
         .get(0);
     assert_eq!(attempts, 0, "a redriven dead head gets its attempts back");
 
+    let refused = ordering::redrive_seen_head(&client, "o", "nokey", "e2")
+        .await
+        .unwrap();
     assert_eq!(
-        ordering::redrive_seen_head(&client, "o", "nokey", "e2")
-            .await
-            .unwrap(),
+        refused,
         SeenHead::Changed {
             head: None,
             status: None
         }
     );
+    assert_eq!(
+        refused.change_from("e2").as_deref(),
+        Some("it has no head now")
+    );
+    assert_eq!(SeenHead::Done { promoted: None }.change_from("e2"), None);
 }

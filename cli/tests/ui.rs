@@ -11,7 +11,7 @@ mod proc;
 
 use std::path::PathBuf;
 
-use dashboard::{Ui, browser, csrf_cookie, http, js};
+use dashboard::{Ui, browser, csrf_cookie, follow_pages, http, js, post_form};
 use fantoccini::{Client, Locator};
 use pgbus::Event;
 use pgbus_testkit::browser::Chromedriver;
@@ -318,15 +318,10 @@ async fn the_dashboard_follows_the_bus_and_its_actions_work() {
     );
     // The same Skip sent again (the form resubmitted): the head it showed is gone, so
     // nothing is skipped, and the answer says why.
-    let token = csrf_cookie(&ui, &[]).await;
-    let cookie = format!("pgbus_csrf={token}");
-    let origin = format!("http://{}", ui.addr);
-    let again = http(
-        ui.addr,
-        "POST",
+    let (again, _) = post_form(
+        &ui,
         "/subscriptions/ledger/keys/skip",
-        &[("Cookie", &cookie), ("Origin", &origin)],
-        &format!("csrf={token}&key=acct%3Ax&event_id={bad_id}"),
+        &format!("key=acct%3Ax&event_id={bad_id}"),
     )
     .await;
     assert_eq!(again.status, 409, "{again:?}");
@@ -928,17 +923,7 @@ async fn pausing_from_the_dashboard_holds_running_consumers_and_resuming_deliver
 
     // A Pause sent again from a page loaded before the pause: nothing changes, and the
     // answer says so.
-    let token = csrf_cookie(&ui, &[]).await;
-    let cookie = format!("pgbus_csrf={token}");
-    let origin = format!("http://{}", ui.addr);
-    let again = http(
-        ui.addr,
-        "POST",
-        "/subscriptions/mailer/pause",
-        &[("Cookie", &cookie), ("Origin", &origin)],
-        &format!("csrf={token}"),
-    )
-    .await;
+    let (again, cookie) = post_form(&ui, "/subscriptions/mailer/pause", "").await;
     assert_eq!(again.status, 303, "{again:?}");
     let location = again.header("location").unwrap().to_string();
     let shown = http(ui.addr, "GET", &location, &[("Cookie", &cookie)], "").await;
@@ -1009,40 +994,27 @@ async fn every_dead_letter_is_reached_by_following_the_pages() {
         .await
         .unwrap();
     let ui = Ui::start(&db, &[], &[]).await;
-    let id_marker = "data-event-id=\"";
+    let marker = "class=\"dead-letter\" data-event-id=\"";
+    let pages = follow_pages(&ui, "/subscriptions/jobs", "dead-next", 3).await;
+    assert_eq!(pages.len(), 3);
     let mut seen: Vec<String> = Vec::new();
-    let mut path = "/subscriptions/jobs".to_owned();
-    let mut pages = 0;
-    loop {
-        let page = http(ui.addr, "GET", &path, &[], "").await;
-        assert_eq!(page.status, 200, "{path}: {page:?}");
-        pages += 1;
-        assert!(pages <= 3, "more pages than 120 dead letters need");
-        let body = &page.body;
+    for (n, body) in pages.iter().enumerate() {
         let on_page: Vec<String> = body
-            .match_indices(&format!("class=\"dead-letter\" {id_marker}"))
+            .match_indices(marker)
             .map(|(i, m)| {
                 let rest = &body[i + m.len()..];
                 rest[..rest.find('"').unwrap()].to_owned()
             })
             .collect();
-        assert!(!on_page.is_empty(), "{path} lists no dead letter");
+        assert!(!on_page.is_empty(), "page {n} lists no dead letter");
         assert!(
             body.contains("class=\"died-at\""),
-            "{path} says not when they died"
+            "page {n} says not when they died"
         );
         seen.extend(on_page);
-        let Some(at) = body.find("id=\"dead-next\" href=\"") else {
-            break;
-        };
-        let rest = &body[at + "id=\"dead-next\" href=\"".len()..];
-        let href = rest[..rest.find('"').unwrap()].replace("&amp;", "&");
-        // A browser does not send the fragment.
-        path = href.split('#').next().unwrap().to_owned();
     }
     let expected: Vec<String> = (1..=120).map(|i| format!("job-{i:03}")).collect();
     assert_eq!(seen, expected, "each dead letter once, oldest first");
-    assert_eq!(pages, 3);
     let bad = http(
         ui.addr,
         "GET",
@@ -1082,15 +1054,10 @@ async fn every_pending_delivery_is_reached_by_following_the_pages() {
     common::fan_out(&client).await;
     let ui = Ui::start(&db, &[], &[]).await;
     let marker = "class=\"pending\" data-event-id=\"";
+    let pages = follow_pages(&ui, "/subscriptions/jobs", "pending-next", 3).await;
+    assert_eq!(pages.len(), 3);
     let mut seen: Vec<(String, String)> = Vec::new();
-    let mut path = "/subscriptions/jobs".to_owned();
-    let mut pages = 0;
-    loop {
-        let page = http(ui.addr, "GET", &path, &[], "").await;
-        assert_eq!(page.status, 200, "{path}: {page:?}");
-        pages += 1;
-        assert!(pages <= 3, "more pages than 120 deliveries need");
-        let body = &page.body;
+    for body in &pages {
         for (i, m) in body.match_indices(marker) {
             let rest = &body[i + m.len()..];
             let id = rest[..rest.find('"').unwrap()].to_owned();
@@ -1098,14 +1065,7 @@ async fn every_pending_delivery_is_reached_by_following_the_pages() {
             let state = rest[state_at..state_at + rest[state_at..].find('"').unwrap()].to_owned();
             seen.push((id, state));
         }
-        let Some(at) = body.find("id=\"pending-next\" href=\"") else {
-            break;
-        };
-        let rest = &body[at + "id=\"pending-next\" href=\"".len()..];
-        let href = rest[..rest.find('"').unwrap()].replace("&amp;", "&");
-        path = href.split('#').next().unwrap().to_owned();
     }
-    assert_eq!(pages, 3);
     let ids: Vec<&str> = seen.iter().map(|(id, _)| id.as_str()).collect();
     let expected: Vec<String> = (1..=120).map(|i| format!("job-{i:03}")).collect();
     assert_eq!(ids, expected, "each pending delivery once, in event order");

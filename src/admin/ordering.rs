@@ -254,6 +254,24 @@ fn changed(row: &tokio_postgres::Row) -> Result<SeenHead> {
     })
 }
 
+impl SeenHead {
+    /// For [`SeenHead::Changed`], how the key's head differs from `seen` (the event the
+    /// caller saw), in words: "its head is now E2 (pending), not E1", "its head E1 is
+    /// pending now", or "it has no head now". `None` when the action was done.
+    pub fn change_from(&self, seen: &str) -> Option<String> {
+        let SeenHead::Changed { head, status } = self else {
+            return None;
+        };
+        Some(match (head, status) {
+            (Some(head), Some(status)) if head == seen => {
+                format!("its head {head} is {status} now")
+            }
+            (Some(head), Some(status)) => format!("its head is now {head} ({status}), not {seen}"),
+            _ => "it has no head now".to_owned(),
+        })
+    }
+}
+
 /// [`skip_head`], bound to the head the caller saw: skips the key's dead head only if it
 /// is the event `event_id`, and otherwise changes nothing and says what the head is now.
 /// A form sent again, or from a page loaded before someone else acted on the key, so

@@ -5,7 +5,7 @@ use std::io::{BufRead as _, IsTerminal as _, Write as _};
 use pgbus::admin::{self, DeadLetterFilter};
 use serde_json::json;
 
-use super::output::{one_line, plural};
+use super::output::{one_line, plural, timestamp};
 use super::{Failure, failed, print_json, table, usage};
 
 /// `pgbus dead`: list, retry or purge dead letters.
@@ -176,8 +176,7 @@ async fn list(
                 d.event_id.clone().unwrap_or_else(|| "-".into()),
                 d.event_name.clone().unwrap_or_else(|| "-".into()),
                 d.attempts.to_string(),
-                d.failed_at
-                    .map_or("-".into(), |t| t.format("%Y-%m-%d %H:%M:%SZ").to_string()),
+                d.failed_at.map_or("-".into(), timestamp),
                 one_line(d.last_error.as_deref().unwrap_or("-"), 60),
             ]
         })

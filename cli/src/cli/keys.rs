@@ -169,18 +169,11 @@ fn seen_head(
             Some(next) => outln!("{done}: {subscription} {key} ({seen}); {next} is its head now"),
             None => outln!("{done}: {subscription} {key} ({seen})"),
         },
-        pgbus::ordering::SeenHead::Changed { head, status } => {
-            let now = match (head, status) {
-                (Some(head), Some(status)) if head == seen => format!("{head} is {status}"),
-                (Some(head), Some(status)) => format!("its head is {head} ({status})"),
-                _ => "it has no head".to_owned(),
-            };
-            Err(super::failed(format!(
+        other => Err(super::failed(match other.change_from(seen) {
+            Some(now) => format!(
                 "error: key {key:?} of {subscription:?} is not as given: {now}; nothing was done"
-            )))
-        }
-        _ => Err(super::failed(format!(
-            "error: unexpected answer for key {key:?} of {subscription:?}"
-        ))),
+            ),
+            None => format!("error: unexpected answer for key {key:?} of {subscription:?}"),
+        })),
     }
 }

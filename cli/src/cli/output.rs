@@ -135,6 +135,11 @@ pub(crate) fn one_line(text: &str, max: usize) -> String {
     }
 }
 
+/// A time as the command line's tables and messages print it (`2026-12-07 15:23:37Z`).
+pub(crate) fn timestamp(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%SZ").to_string()
+}
+
 /// `"s"` unless `n` is 1.
 pub(crate) fn plural(n: u64) -> &'static str {
     if n == 1 { "" } else { "s" }

@@ -3,7 +3,7 @@
 use pgbus::admin;
 use serde_json::json;
 
-use super::output::plural;
+use super::output::{plural, timestamp};
 use super::{Failure, failed, parse_duration, print_json, table, usage};
 
 /// `pgbus subscriptions`: list, change, pause, resume or drop subscriptions.
@@ -160,11 +160,6 @@ pub(crate) async fn subscriptions(
     }
 }
 
-/// A time as the command line prints it.
-fn at(t: chrono::DateTime<chrono::Utc>) -> String {
-    t.format("%Y-%m-%d %H:%M:%SZ").to_string()
-}
-
 /// `pgbus subscriptions pause`.
 async fn pause(client: &tokio_postgres::Client, name: &str, json: bool) -> Result<(), Failure> {
     let paused = admin::pause_subscription(client, name).await?;
@@ -178,7 +173,7 @@ async fn pause(client: &tokio_postgres::Client, name: &str, json: bool) -> Resul
     if paused.already {
         outln!(
             "subscription {name:?} was already paused (since {})",
-            at(paused.since)
+            timestamp(paused.since)
         )
     } else {
         outln!(
@@ -200,7 +195,7 @@ async fn resume(client: &tokio_postgres::Client, name: &str, json: bool) -> Resu
     match resumed.paused_since {
         Some(since) => outln!(
             "resumed subscription {name:?} (paused since {}); its consumers are notified",
-            at(since)
+            timestamp(since)
         ),
         None => outln!("subscription {name:?} was not paused"),
     }
@@ -223,8 +218,8 @@ async fn list(client: &tokio_postgres::Client, json: bool) -> Result<(), Failure
                 s.patterns.join(","),
                 s.max_attempts.to_string(),
                 s.consumers.to_string(),
-                at(s.created_at),
-                s.paused_at.map_or_else(|| "-".to_owned(), at),
+                timestamp(s.created_at),
+                s.paused_at.map_or_else(|| "-".to_owned(), timestamp),
             ]
         })
         .collect();

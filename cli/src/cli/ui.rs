@@ -1365,18 +1365,6 @@ fn parse_since(text: &str) -> Result<DateTime<Utc>, String> {
     ))
 }
 
-/// The answer to a redrive or skip whose key's head is no longer the one the page showed.
-fn head_changed(key: &str, seen: &str, head: Option<String>, status: Option<String>) -> UiError {
-    let now = match (head, status) {
-        (Some(head), Some(status)) if head == seen => format!("its head {head} is {status} now"),
-        (Some(head), Some(status)) => format!("its head is now {head} ({status}), not {seen}"),
-        _ => "it has no head now".to_owned(),
-    };
-    UiError::Conflict(format!(
-        "key {key} changed since you loaded the page: {now}; nothing was done"
-    ))
-}
-
 /// Redrive (`skip` false) or skip the head of a key, the head the page showed: the form
 /// carries its event id, and a head that has changed since is left alone (409).
 async fn head_action(
@@ -1413,10 +1401,12 @@ async fn head_action(
                 ),
                 (false, _) => format!("redrove the head of key {key} (event {seen})"),
             }),
-            pgbus::ordering::SeenHead::Changed { head, status } => {
-                Err(head_changed(&key, &seen, head, status))
-            }
-            _ => Err(UiError::Database(format!("unexpected answer to the {verb} of key {key}"))),
+            other => Err(match other.change_from(&seen) {
+                Some(now) => UiError::Conflict(format!(
+                    "key {key} changed since you loaded the page: {now}; nothing was done"
+                )),
+                None => UiError::Database(format!("unexpected answer to the {verb} of key {key}")),
+            }),
         }
     })
     .await

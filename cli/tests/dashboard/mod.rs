@@ -217,3 +217,49 @@ pub async fn csrf_cookie(ui: &Ui, auth: &[(&str, &str)]) -> String {
         .expect("the pgbus_csrf cookie")
         .to_string()
 }
+
+/// A form POSTed to `path` as the dashboard's own page sends it: its CSRF token in the
+/// cookie and in the form, from the dashboard's origin. `fields` are the form's other
+/// fields, URL-encoded (empty: none). Returns the answer and the cookie, for following
+/// its redirect as the same browser.
+pub async fn post_form(ui: &Ui, path: &str, fields: &str) -> (Answer, String) {
+    let token = csrf_cookie(ui, &[]).await;
+    let cookie = format!("pgbus_csrf={token}");
+    let origin = format!("http://{}", ui.addr);
+    let body = if fields.is_empty() {
+        format!("csrf={token}")
+    } else {
+        format!("csrf={token}&{fields}")
+    };
+    let answer = http(
+        ui.addr,
+        "POST",
+        path,
+        &[("Cookie", &cookie), ("Origin", &origin)],
+        &body,
+    )
+    .await;
+    (answer, cookie)
+}
+
+/// The body of the page at `first` and of every page its `id="NEXT_ID"` link leads to,
+/// in order, each answered 200; a browser's requests (the link's fragment left out).
+/// Fails past `max` pages.
+pub async fn follow_pages(ui: &Ui, first: &str, next_id: &str, max: usize) -> Vec<String> {
+    let link = format!("id=\"{next_id}\" href=\"");
+    let mut path = first.to_owned();
+    let mut pages = Vec::new();
+    loop {
+        let page = http(ui.addr, "GET", &path, &[], "").await;
+        assert_eq!(page.status, 200, "{path}: {page:?}");
+        pages.push(page.body);
+        assert!(pages.len() <= max, "more than {max} pages from {first}");
+        let body = pages.last().unwrap();
+        let Some(at) = body.find(&link) else {
+            return pages;
+        };
+        let rest = &body[at + link.len()..];
+        let href = rest[..rest.find('"').unwrap()].replace("&amp;", "&");
+        path = href.split('#').next().unwrap().to_owned();
+    }
+}
